@@ -1,0 +1,5 @@
+"""MMEngine adapters: thin hooks, wrappers and runner glue over mmdtr's core.
+
+Each adapter module registers itself on import; add one line per module.
+"""
+from . import config_translation  # noqa: F401

@@ -1,0 +1,79 @@
+"""Translate mmdtr's memory keys of a config into hooks.
+
+MMEngine's Runner applies its own thin ``activation_checkpointing`` and
+``efficient_conv_bn_eval`` keys. mmdtr pops its keys from the config before
+the Runner sees them and appends the hooks that implement them to
+``custom_hooks``, so every technique is applied once, by mmdtr.
+
+Each key's adapter module registers a translator with :func:`memory_key`.
+A translator validates the value (type and shape; names that need the model
+are checked by the hook before training starts) and returns the hook config.
+All keys are validated before anything is changed, so nothing is
+half-applied.
+"""
+import copy
+from typing import Callable, Dict
+
+from mmengine.config import Config
+
+from mmdtr.errors import MmdtrError
+
+#: key name -> translator ``fn(value) -> hook cfg dict``
+MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
+_TRANSLATED_MARK = '_mmdtr_translated'
+
+
+def memory_key(name: str) -> Callable:
+    """Register the translator of config key ``name``.
+
+    Args:
+        name (str): The top-level config key, e.g. ``'dtr'``.
+
+    Returns:
+        Callable: A decorator taking ``fn(value) -> dict`` (the hook config).
+
+    Examples:
+        >>> @memory_key('my_key')
+        ... def _translate(value):
+        ...     return dict(type='mmdtr.MyHook', option=value)
+    """
+
+    def register(fn: Callable[[object], dict]) -> Callable[[object], dict]:
+        if name in MEMORY_KEY_TRANSLATORS:
+            raise MmdtrError(f'config key {name!r} is registered twice.')
+        MEMORY_KEY_TRANSLATORS[name] = fn
+        return fn
+
+    return register
+
+
+def translate_memory_keys(cfg: Config) -> Config:
+    """Return a copy of ``cfg`` with mmdtr's memory keys turned into hooks.
+
+    Keys that are absent or ``None`` are dropped and mean "off". Translating
+    a config twice is a no-op the second time.
+
+    Args:
+        cfg (Config): The config, as loaded by ``Config.fromfile``.
+
+    Returns:
+        Config: The translated copy; ``cfg`` itself is left untouched.
+
+    Raises:
+        MmdtrError: If any key has a bad value; nothing is changed then.
+    """
+    if cfg.get(_TRANSLATED_MARK, False):
+        return cfg
+    hooks = []
+    for name, translate in MEMORY_KEY_TRANSLATORS.items():
+        value = cfg.get(name, None)
+        if value is None:
+            continue
+        hooks.append(translate(value))  # raises before anything changes
+    out = copy.deepcopy(cfg)
+    for name in MEMORY_KEY_TRANSLATORS:
+        out.pop(name, None)
+    custom_hooks = list(out.get('custom_hooks', None) or [])
+    out.custom_hooks = custom_hooks + hooks
+    out[_TRANSLATED_MARK] = True
+    return out
