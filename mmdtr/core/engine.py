@@ -1,0 +1,514 @@
+"""The DTR engine's mechanism: accounting, records, eviction, replay.
+
+One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
+hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. The rules
+cited as R1..R12 are in docs/design.md.
+"""
+import random
+import sys
+import time
+import weakref
+
+import torch
+
+from mmdtr.errors import MmdtrError
+from .cost_model import op_cost, tensor_bytes
+from .op_semantics import batch_norm_in_training, get_arg, op_info
+from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
+                      SelfRef, StorageRecord, detached_alias, view_meta,
+                      view_of)
+
+_OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
+_use_count = torch._C._storage_Use_Count
+Tensor = torch.Tensor
+
+
+class SavedHandle:
+    """What autograd keeps instead of a managed saved tensor (R10)."""
+    __slots__ = ('state', 'record', 'key', 'version')
+
+    def __init__(self, state, record, key, version):
+        self.state, self.record, self.key = state, record, key
+        self.version = version
+
+    def __del__(self):
+        self.state.release(self.record)
+
+
+class EngineState:
+    """Records, accounting and eviction of one engine (one thread, rank).
+
+    Args:
+        threshold (int | None): Evict while memory in use exceeds this;
+            ``None``: only when an allocation fails (CUDA).
+        min_size (int): Storages smaller than this are never evicted.
+        sqrt_sampling (bool): Score about sqrt(N) sampled candidates per
+            eviction instead of all N.
+        policy (EvictionPolicy): Scores candidates (lower goes first).
+        device (torch.device): The device whose memory is metered.
+    """
+
+    def __init__(self, threshold, min_size, sqrt_sampling, policy, device):
+        self.threshold, self.min_size = threshold, min_size
+        self.sqrt_sampling, self.policy = sqrt_sampling, policy
+        self.device = torch.device(device)
+        self.cuda = self.device.type == 'cuda'
+        self.records = {}  # storage address -> StorageRecord (R11)
+        self.external_users = {}  # external storage address -> [weakref]
+        self.candidates = []  # evictable records (R3)
+        self.clock = 0
+        self.in_use = self.peak = 0
+        self.evictions = self.recomputations = self.eviction_failures = 0
+        self.remat_seconds = 0.0
+        self.closed = False
+        self._sampler = random.Random(0)  # never torch's RNG (R6)
+
+    # accounting (R11) -----------------------------------------------------
+    def memory_in_use(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return self.in_use
+
+    def _register(self, storage, cdata, rec=None):
+        nbytes = storage.nbytes()
+        if rec is None:
+            rec = StorageRecord(nbytes, storage.device, self.clock)
+        rec.cdata = cdata
+        rec.wref = weakref.ref(storage, self._make_on_free(cdata))
+        self.records[cdata] = rec
+        self.in_use += nbytes
+        if self.in_use > self.peak:
+            self.peak = self.in_use
+        return rec
+
+    def _make_on_free(self, cdata):
+
+        def on_free(_):
+            rec = self.records.pop(cdata, None)
+            if rec is not None and rec.cdata == cdata:
+                self.in_use -= rec.nbytes
+                rec.cdata = rec.wref = None
+                if rec.cand_index >= 0:
+                    self._drop_candidate(rec)
+
+        return on_free
+
+    # candidates -----------------------------------------------------------
+    def _add_candidate(self, rec):
+        if rec.cand_index < 0 and rec.nbytes >= self.min_size \
+                and rec.recomputable(rec.version):
+            rec.cand_index = len(self.candidates)
+            self.candidates.append(rec)
+
+    def _drop_candidate(self, rec):
+        i, last = rec.cand_index, self.candidates.pop()
+        if last is not rec:
+            self.candidates[i] = last
+            last.cand_index = i
+        rec.cand_index = -1
+
+    # the dispatch hot path (R1) -------------------------------------------
+    def on_op(self, func, args, kwargs):
+        info = op_info(func)
+        writes = [get_arg(info, args, kwargs, i) for i in info.written_args]
+        scratch = ()
+        if info.side_effect_args and (info.batch_norm_training_arg is None
+                                      or batch_norm_in_training(
+                                          info, args, kwargs)):
+            scratch = tuple(info.side_effect_args)
+            writes += [get_arg(info, args, kwargs, i) for i in scratch]
+        writes = [w for w in writes if isinstance(w, Tensor)]
+        for w in writes:
+            self._before_write(w)
+        rng = self._capture_rng(args, kwargs) if info.random else None
+        out = self._run(func, args, kwargs)
+        self.clock += 1
+        outs = out if isinstance(out, (tuple, list)) else (out, )
+        in_cdatas, nbytes = self._input_storages(args, kwargs)
+        new = []
+        for i, o in enumerate(outs):
+            if isinstance(o, Tensor) and o.device.type != 'meta':
+                s = o.untyped_storage()
+                cdata = s._cdata
+                if cdata not in in_cdatas and cdata not in self.records \
+                        and s.nbytes():
+                    new.append((i, self._register(s, cdata)))
+                nbytes += tensor_bytes(o)
+        replayable = info.replayable and (
+            not info.nondeterministic or not self.cuda
+            or torch.are_deterministic_algorithms_enabled())
+        target = self._mutation_target(writes[:len(info.written_args)],
+                                       info.full_overwrite)
+        record_creator = new and torch.is_grad_enabled()
+        node = None
+        if replayable and (record_creator or target is not None):
+            cost = op_cost(func, args, kwargs, out, nbytes)
+            node = self._make_node(func, args, kwargs, scratch, cost, rng,
+                                   target)
+        if new and record_creator and replayable:
+            for i, rec in new:
+                if info.uninitialized:
+                    rec.creator = AllocNode(rec.nbytes, rec.device)
+                else:
+                    rec.creator, rec.out_index, rec.lo = node, i, 0
+                    rec.cost = node.cost
+                    self._link(rec, node)
+        for w in writes[:len(info.written_args)]:
+            self._after_write(w, node if replayable else None, info)
+        if self.cuda:
+            self.peak = max(self.peak, self.memory_in_use())
+        if self.threshold is not None and \
+                self.memory_in_use() > self.threshold:
+            self.evict_until(self.threshold)
+        return out
+
+    def _link(self, rec, node):
+        """Record ``rec`` as a user of every storage ``node`` reads."""
+        rec.add_inputs(node)
+        me = None
+        for ref in node.refs():
+            if isinstance(ref, HeldRef) and ref.record is None:
+                me = me or weakref.ref(rec)
+                users = self.external_users.setdefault(
+                    ref.tensor.untyped_storage()._cdata, [])
+                users.append(me)
+                n = len(users)
+                if n >= 64 and n & (n - 1) == 0:  # amortized pruning
+                    users[:] = [u for u in users if u() is not None]
+
+    def _run(self, func, args, kwargs):
+        while True:
+            try:
+                return func(*args, **kwargs)
+            except _OOM:
+                if not self.cuda or not self._evict_one():
+                    raise
+
+    @staticmethod
+    def _input_storages(args, kwargs):
+        cdatas, nbytes = set(), 0
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, Tensor):
+                cdatas.add(a.untyped_storage()._cdata)
+                nbytes += tensor_bytes(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, Tensor):
+                        cdatas.add(b.untyped_storage()._cdata)
+                        nbytes += tensor_bytes(b)
+        return cdatas, nbytes
+
+    def _mutation_target(self, written, full_overwrite):
+        for w in written:
+            rec = self.records.get(w.untyped_storage()._cdata)
+            if rec is not None and (rec.recomputable(rec.version) or
+                                    (full_overwrite and rec.lo is None)):
+                return rec.cdata
+        return None
+
+    def _make_node(self, func, args, kwargs, scratch, cost, rng, target):
+        info = op_info(func)
+        scratch_names = {info.arg_names[i] for i in scratch}
+
+        def ref(a, scratch_arg):
+            if isinstance(a, Tensor):
+                return self._ref(a, target, scratch_arg)
+            if isinstance(a, (list, tuple)):
+                return type(a)(self._ref(b, target, False) if isinstance(
+                    b, Tensor) else b for b in a)
+            return a
+
+        new_args = tuple(
+            ref(a, i in scratch) for i, a in enumerate(args))
+        new_kwargs = {
+            k: ref(v, k in scratch_names)
+            for k, v in kwargs.items()
+        }
+        return OpNode(func, new_args, new_kwargs, cost, rng)
+
+    def _ref(self, t, target, scratch_arg):
+        if scratch_arg:
+            return ScratchRef(detached_alias(t))
+        cdata = t.untyped_storage()._cdata
+        if cdata == target:
+            return SelfRef(view_meta(t))
+        rec = self.records.get(cdata)
+        if rec is not None:
+            rec.last_access = self.clock
+            if rec.recomputable(rec.version):
+                return RecordRef(rec, rec.version, view_meta(t))
+            return HeldRef(detached_alias(t), rec, rec.version)
+        if t.grad_fn is None:  # a leaf: holding it makes no cycle
+            return HeldRef(t, None, t._version)
+        # below autograd, detach() gets a fresh version counter: no check
+        return HeldRef(detached_alias(t), None, None)
+
+    # in-place writes (R5, R7) ---------------------------------------------
+    def _before_write(self, t):
+        cdata = t.untyped_storage()._cdata
+        rec = self.records.get(cdata)
+        if rec is not None:
+            if rec.recomputable(rec.version) or not rec.users:
+                return
+            users = rec.users
+        else:
+            users = self.external_users.pop(cdata, None)
+            if not users:
+                return
+        for ref in list(users):
+            user = ref()
+            if user is not None:
+                self._freeze(user)
+
+    def _freeze(self, rec):
+        """Keep ``rec`` resident for good: an input of it is changing."""
+        if rec.keepalive is not None:
+            return
+        if rec.resident:
+            storage = rec.storage()
+        elif rec.recomputable(rec.version):
+            storage = self.materialize(rec, rec.version)
+        else:
+            return  # dead and unrecomputable: nothing can still need it
+        rec.keepalive, rec.lo, rec.hi = storage, None, None
+        if rec.cand_index >= 0:
+            self._drop_candidate(rec)
+        for ref in list(rec.users):
+            user = ref()
+            if user is not None and user.lo is not None:
+                self._freeze(user)
+
+    def _after_write(self, t, node, info):
+        rec = self.records.get(t.untyped_storage()._cdata)
+        if rec is None:
+            return
+        if node is not None and rec.lo is None and info.full_overwrite \
+                and t.is_contiguous() and t.storage_offset() == 0 \
+                and tensor_bytes(t) == rec.nbytes:
+            # an uninitialized storage is now fully determined (R5)
+            rec.creator = AllocNode(rec.nbytes, rec.device)
+            rec.base, rec.mutations, rec.lo = rec.version, [], rec.version
+            rec.cost = 1.0
+        rec.version += 1
+        if node is not None and rec.recomputable(rec.version - 1):
+            rec.mutations.append(node)
+            rec.cost += node.cost
+            self._link(rec, node)
+        elif rec.lo is not None and rec.hi is None:
+            rec.hi = rec.version - 1  # older versions stay recomputable
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
+
+    @staticmethod
+    def _capture_rng(args, kwargs):
+        gen = kwargs.get('generator')
+        if gen is not None:
+            return gen, gen.get_state()
+        device = kwargs.get('device')
+        for a in args:
+            if isinstance(a, Tensor):
+                device = a.device
+                break
+        if device is not None and torch.device(device).type == 'cuda':
+            device = torch.device(device)
+            return ('cuda', device), torch.cuda.get_rng_state(device)
+        return None, torch.get_rng_state()
+
+    # saved tensors (R3, R10) ----------------------------------------------
+    def pack(self, t):
+        if self.closed:
+            return t
+        rec = self.records.get(t.untyped_storage()._cdata)
+        if rec is None or rec.nbytes < self.min_size \
+                or not rec.recomputable(rec.version):
+            return t
+        key = view_meta(t)
+        if key not in rec.views:
+            rec.views[key] = detached_alias(t)
+        rec.handles += 1
+        rec.last_access = self.clock
+        self._add_candidate(rec)
+        return SavedHandle(self, rec, key, rec.version)
+
+    def unpack(self, handle):
+        if not isinstance(handle, SavedHandle):
+            return handle
+        rec = handle.record
+        rec.last_access = self.clock
+        if rec.version == handle.version:
+            t = rec.views.get(handle.key)
+            if t is not None:
+                return t
+            storage = rec.storage()
+            if storage is not None:
+                t = rec.views[handle.key] = view_of(storage, handle.key,
+                                                    rec.device)
+                return t
+        start = time.perf_counter()
+        storage = self.materialize(rec, handle.version)
+        t = view_of(storage, handle.key, rec.device)
+        if rec.version == handle.version and rec.handles:
+            rec.views[handle.key] = t
+            self._add_candidate(rec)
+        self.remat_seconds += time.perf_counter() - start
+        return t
+
+    def release(self, rec):
+        rec.handles -= 1
+        if rec.handles == 0:
+            rec.views.clear()
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
+
+    # eviction (R3, R8) ----------------------------------------------------
+    def evict_until(self, limit):
+        while self.memory_in_use() > limit:
+            if not self._evict_one():
+                self.eviction_failures += 1
+                return
+
+    def _evict_one(self) -> bool:
+        cands = self.candidates
+        n = len(cands)
+        if n == 0:
+            return False
+        if self.sqrt_sampling and n > 4:
+            k = max(2, int(n**0.5))
+            pool = [cands[i] for i in self._sampler.sample(range(n), k)]
+        else:
+            pool = cands
+        score, clock = self.policy.score, self.clock
+        best, best_score = None, float('inf')
+        for rec in pool:
+            value = score(rec, clock)
+            # exclusive: only the engine's aliases and the storage's own
+            # Python object (alive while it is) reference it (R3)
+            if value < best_score and \
+                    _use_count(rec.cdata) == len(rec.views) + 1:
+                best, best_score = rec, value
+        if best is None:
+            return False
+        self._evict(best)
+        return True
+
+    def _evict(self, rec):
+        self._drop_candidate(rec)
+        rec.join_evicted_class()
+        rec.views.clear()  # the storage is freed here; on_free accounts
+        self.evictions += 1
+
+    # replay (R4, R6) ------------------------------------------------------
+    def materialize(self, rec, version):
+        """Return ``rec``'s storage at ``version``, recomputing if needed."""
+        storage = rec.storage()
+        if storage is not None and rec.version == version:
+            return storage
+        if not rec.recomputable(version):
+            raise MmdtrError(
+                f'cannot rebuild a storage of {rec.nbytes} bytes at version '
+                f'{version} (recomputable: {rec.lo}..{rec.hi}).',
+                'This is an engine bug (rule R7 should have kept it); '
+                'please report it with the model.')
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20000))
+        try:
+            storage = self._rebuild(rec, version)
+        finally:
+            sys.setrecursionlimit(limit)
+        if version == rec.version and not rec.resident:
+            self._register(storage, storage._cdata, rec)
+            rec.remat_count += 1
+            self.recomputations += 1
+            if rec.handles:
+                rec.views[(torch.uint8, (rec.nbytes, ), (1, ), 0)] = \
+                    view_of(storage, (torch.uint8, (rec.nbytes, ), (1, ), 0),
+                            rec.device)
+                self._add_candidate(rec)
+        return storage
+
+    def _rebuild(self, rec, version):
+        creator = rec.creator
+        if isinstance(creator, AllocNode):
+            with torch._C._DisableTorchDispatch():
+                storage = torch.empty(
+                    creator.nbytes, dtype=torch.uint8,
+                    device=creator.device).untyped_storage()
+        else:
+            out = self._replay(creator, None)
+            outs = out if isinstance(out, (tuple, list)) else (out, )
+            storage = outs[rec.out_index].untyped_storage()
+        if storage.nbytes() != rec.nbytes:
+            raise MmdtrError(
+                f'replaying {creator.func} gave {storage.nbytes()} bytes, '
+                f'not {rec.nbytes}.', 'Please report it with the model.')
+        for node in rec.mutations[:version - rec.base]:
+            self._replay(node, storage)
+        return storage
+
+    def _replay(self, node, self_storage):
+        device = self.device
+
+        def resolve(a):
+            if isinstance(a, RecordRef):
+                return view_of(self.materialize(a.record, a.version), a.meta,
+                               a.record.device)
+            if isinstance(a, HeldRef):
+                if a.current_version() != a.version:
+                    raise MmdtrError(
+                        f'an input of {node.func} (shape '
+                        f'{tuple(a.tensor.shape)}) changed from version '
+                        f'{a.version} to {a.current_version()} outside the '
+                        'engine\'s sight.', 'Please report it.')
+                return a.tensor
+            if isinstance(a, SelfRef):
+                return view_of(self_storage, a.meta, device)
+            if isinstance(a, ScratchRef):
+                with torch._C._DisableTorchDispatch():
+                    return a.tensor.clone()
+            if isinstance(a, (list, tuple)):
+                return type(a)(resolve(b) for b in a)
+            return a
+
+        args = tuple(resolve(a) for a in node.args)
+        kwargs = {k: resolve(v) for k, v in node.kwargs.items()}
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            if node.rng is None:
+                out = self._run(node.func, args, kwargs)
+            else:
+                out = self._run_with_rng(node, args, kwargs)
+        self.clock += 1
+        if self.threshold is not None and \
+                self.memory_in_use() > self.threshold:
+            del args, kwargs  # inputs we no longer need may go
+            self.evict_until(self.threshold)
+        return out
+
+    def _run_with_rng(self, node, args, kwargs):
+        gen, state = node.rng
+        if gen is None:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(state)
+        elif isinstance(gen, tuple):
+            saved = torch.cuda.get_rng_state(gen[1])
+            torch.cuda.set_rng_state(state, gen[1])
+        else:
+            saved = gen.get_state()
+            gen.set_state(state)
+        try:
+            return self._run(node.func, args, kwargs)
+        finally:  # the global stream never shifts (R6)
+            if gen is None:
+                torch.set_rng_state(saved)
+            elif isinstance(gen, tuple):
+                torch.cuda.set_rng_state(saved, gen[1])
+            else:
+                gen.set_state(saved)
+
+    def close(self):
+        """Stop accounting; records still held by autograd stay usable."""
+        self.closed = True
+        self.records = {}
+        self.external_users = {}
+        for rec in self.candidates:
+            rec.cand_index = -1
+        self.candidates = []

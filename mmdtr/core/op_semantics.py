@@ -1,0 +1,137 @@
+"""What the engine needs to know about an operator, read from its schema.
+
+Views are found at run time (an output whose storage is an input's), which
+also covers list returns; writes come from the schema's alias annotations.
+
+Classification is computed once per ``OpOverload`` and cached, so the hot
+path pays a dict lookup per op (rule R1 of docs/design.md).
+"""
+from typing import Dict, NamedTuple, Tuple
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops that mutate arguments their schema does not declare as written
+# (native_batch_norm updates running stats in training mode), or declare
+# them but whose outputs do not depend on those arguments' values. Replay
+# passes scratch copies for these arguments (rule R6), which is exact only
+# in training mode, where outputs use batch statistics.
+_BATCH_NORM_TRAINING_ARG = {
+    'native_batch_norm': 'training',
+    '_native_batch_norm_legit': 'training',
+    'cudnn_batch_norm': 'training',
+    'miopen_batch_norm': 'training',
+    '_batch_norm_with_update': '',  # always training
+}
+_RUNNING_STATS = ('running_mean', 'running_var')
+
+# In-place ops whose result does not depend on the prior content of
+# ``self``: once one covers a whole storage, that storage's content is
+# fully determined by recorded ops (rule R5).
+_FULL_OVERWRITE = frozenset({
+    'fill_', 'zero_', 'copy_', 'bernoulli_', 'normal_', 'uniform_',
+    'random_', 'exponential_', 'geometric_', 'cauchy_', 'log_normal_'
+})
+
+
+class OpInfo(NamedTuple):
+    """Static facts about one operator overload.
+
+    Attributes:
+        arg_names (tuple): Schema argument names, in order.
+        written_args (tuple): Indices of arguments written in place and
+            returned (in-place and ``out=`` ops).
+        side_effect_args (tuple): Indices of arguments written but not
+            returned (running statistics of batch norm).
+        batch_norm_training_arg (str | None): For batch norm ops, the name
+            of the ``training`` flag, or ``''`` when always training.
+        replayable (bool): The op can be replayed exactly: an ``aten`` op,
+            random ops included (their RNG state is replayed), and no
+            undeclared side effects other than those handled above.
+        random (bool): Whether the op draws from a random generator.
+        uninitialized (bool): Whether outputs are uninitialized memory
+            (``empty`` and friends).
+        full_overwrite (bool): Whether it overwrites ``self`` regardless of
+            its prior content.
+        nondeterministic (bool): Whether the op may be bitwise
+            nondeterministic on accelerators.
+    """
+    arg_names: Tuple[str, ...]
+    written_args: Tuple[int, ...]
+    side_effect_args: Tuple[int, ...]
+    batch_norm_training_arg: object
+    replayable: bool
+    random: bool
+    uninitialized: bool
+    full_overwrite: bool
+    nondeterministic: bool
+
+
+_CACHE: Dict[object, OpInfo] = {}
+
+
+def op_info(func) -> OpInfo:
+    """Return the cached :class:`OpInfo` of ``func`` (an ``OpOverload``)."""
+    info = _CACHE.get(func)
+    if info is None:
+        info = _CACHE[func] = _classify(func)
+    return info
+
+
+def _alias_sets(alias_info):
+    if alias_info is None:
+        return frozenset()
+    return frozenset(alias_info.before_set)
+
+
+def _classify(func) -> OpInfo:
+    schema = func._schema
+    name = schema.name.split('::')[-1]
+    args = schema.arguments
+    arg_names = tuple(a.name for a in args)
+    returned_sets = set()
+    for ret in schema.returns:
+        returned_sets |= _alias_sets(ret.alias_info)
+    written, side_effects = [], []
+    for i, arg in enumerate(args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if _alias_sets(arg.alias_info) & returned_sets:
+                written.append(i)
+            else:
+                side_effects.append(i)
+    bn_arg = _BATCH_NORM_TRAINING_ARG.get(name, False)
+    if bn_arg is not False:
+        side_effects = [arg_names.index(n) for n in _RUNNING_STATS]
+    tags = func.tags
+    namespace = getattr(func, 'namespace', schema.name.split('::')[0])
+    replayable = (namespace == 'aten' and (not side_effects or bn_arg
+                                           is not False))
+    if name in ('set_', 'resize_', 'resize_as_', '_resize_output_',
+                'record_stream', 'as_strided_', '_local_scalar_dense'):
+        replayable = False
+    return OpInfo(
+        arg_names=arg_names,
+        written_args=tuple(written),
+        side_effect_args=tuple(side_effects),
+        batch_norm_training_arg=bn_arg if bn_arg is not False else None,
+        replayable=replayable,
+        random=torch.Tag.nondeterministic_seeded in tags,
+        uninitialized=name.startswith(('empty', 'new_empty', '_empty')),
+        full_overwrite=name in _FULL_OVERWRITE,
+        nondeterministic=torch.Tag.nondeterministic_bitwise in tags)
+
+
+def get_arg(info: OpInfo, args, kwargs, index: int):
+    """Return argument ``index`` of a call, positional or keyword."""
+    if index < len(args):
+        return args[index]
+    return kwargs.get(info.arg_names[index])
+
+
+def batch_norm_in_training(info: OpInfo, args, kwargs) -> bool:
+    """Whether a batch norm call updates running stats (training mode)."""
+    flag = info.batch_norm_training_arg
+    if flag == '':
+        return True
+    return bool(get_arg(info, args, kwargs, info.arg_names.index(flag)))

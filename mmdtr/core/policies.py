@@ -1,0 +1,95 @@
+"""Eviction policies: pure scoring functions of a record and the clock.
+
+A policy never mutates anything; the engine calls :meth:`score` on
+candidates and evicts the one with the lowest score (rule R8 of
+docs/design.md). New policies subclass :class:`EvictionPolicy` and are
+registered in :data:`POLICIES` under a name.
+"""
+from typing import Dict, Type
+
+from mmdtr.errors import MmdtrError
+
+
+class EvictionPolicy:
+    """Base class. Lower score = evicted first.
+
+    A record offers: ``nbytes``, ``cost`` (FLOP-equivalents to recompute it
+    from its inputs), ``last_access`` (clock of the last use),
+    ``remat_count`` (times recomputed) and ``evicted_neighborhood_cost()``
+    (cost of the evicted equivalence classes around it, DTR's e*).
+    """
+
+    name = 'base'
+
+    def score(self, record, clock: int) -> float:
+        raise NotImplementedError
+
+
+class DTRPolicy(EvictionPolicy):
+    """DTR's heuristic with MegEngine's recompute penalty.
+
+    ``score = (cost + e*) * (1 + penalty * remat_count)
+    / (nbytes * staleness)``, with staleness ``clock - last_access + 1``
+    and e* from the union-find approximation of the evicted neighbourhood.
+
+    Args:
+        recompute_penalty (float): Weight of the penalty on tensors already
+            recomputed. Defaults to 1.0.
+    """
+
+    name = 'dtr'
+
+    def __init__(self, recompute_penalty: float = 1.0):
+        self.recompute_penalty = recompute_penalty
+
+    def score(self, record, clock: int) -> float:
+        cost = record.cost + record.evicted_neighborhood_cost()
+        cost *= 1.0 + self.recompute_penalty * record.remat_count
+        staleness = clock - record.last_access + 1
+        return cost / (record.nbytes * staleness)
+
+
+class LocalDTRPolicy(DTRPolicy):
+    """DTR's heuristic without the neighbourhood term (cheaper, local)."""
+
+    name = 'dtr_local'
+
+    def score(self, record, clock: int) -> float:
+        cost = record.cost * (
+            1.0 + self.recompute_penalty * record.remat_count)
+        return cost / (record.nbytes * (clock - record.last_access + 1))
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evict the least recently used storage."""
+
+    name = 'lru'
+
+    def score(self, record, clock: int) -> float:
+        return float(record.last_access)
+
+
+class LargestFirstPolicy(EvictionPolicy):
+    """Evict the largest storage."""
+
+    name = 'largest'
+
+    def score(self, record, clock: int) -> float:
+        return -float(record.nbytes)
+
+
+POLICIES: Dict[str, Type[EvictionPolicy]] = {
+    cls.name: cls
+    for cls in (DTRPolicy, LocalDTRPolicy, LRUPolicy, LargestFirstPolicy)
+}
+
+
+def build_policy(policy) -> EvictionPolicy:
+    """Return a policy from a name in :data:`POLICIES` or an instance."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise MmdtrError(
+        f'policy={policy!r} is not an eviction policy.',
+        f'Use one of {sorted(POLICIES)} or an EvictionPolicy instance.')

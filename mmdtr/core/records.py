@@ -1,0 +1,228 @@
+"""The recipe graph: one record per storage, one node per recorded op.
+
+A :class:`StorageRecord` is MegEngine's tensor record at storage
+granularity (rule R2 of docs/design.md): its producer (``creator``) and the
+in-place writes applied since (``mutations``), its size, its recompute cost
+and the bookkeeping the policy reads. An :class:`OpNode` is one recorded
+call with its tensor arguments replaced by references that say how to get
+each input back at the version that call read (rule R4).
+"""
+import weakref
+
+import torch
+
+
+def view_meta(t: torch.Tensor) -> tuple:
+    """What rebuilds a tensor from its storage: dtype, size, stride, offset.
+    """
+    return (t.dtype, t.shape, t.stride(), t.storage_offset())
+
+
+def view_of(storage, meta: tuple, device) -> torch.Tensor:
+    """A tensor over ``storage`` with the view described by ``meta``."""
+    with torch._C._DisableTorchDispatch():
+        return torch.empty(
+            0, dtype=meta[0], device=device).set_(storage, meta[3], meta[1],
+                                                  meta[2])
+
+
+def detached_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` without autograd history (no reference cycles)."""
+    with torch._C._DisableTorchDispatch():
+        return t.detach()
+
+
+class RecordRef:
+    """An input read from a recorded storage at ``version``."""
+    __slots__ = ('record', 'version', 'meta')
+
+    def __init__(self, record, version, meta):
+        self.record, self.version, self.meta = record, version, meta
+
+
+class HeldRef:
+    """An input the engine holds on to: external, or not recomputable.
+
+    ``version`` is checked on replay against the record's version (storages
+    allocated in scope) or the tensor's ``_version`` (external leaves);
+    ``None`` skips the check (external non-leaves, held as detached aliases
+    to avoid reference cycles through their ``grad_fn``).
+    """
+    __slots__ = ('tensor', 'record', 'version')
+
+    def __init__(self, tensor, record, version):
+        self.tensor, self.record, self.version = tensor, record, version
+
+    def current_version(self):
+        if self.record is not None:
+            return self.record.version
+        if self.version is None:
+            return None
+        return self.tensor._version
+
+
+class SelfRef:
+    """In a mutation node: a view of the storage being rebuilt."""
+    __slots__ = ('meta', )
+
+    def __init__(self, meta):
+        self.meta = meta
+
+
+class ScratchRef:
+    """An argument the op writes as a side effect; replay gets a copy."""
+    __slots__ = ('tensor', )
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+_REFS = (RecordRef, HeldRef, SelfRef, ScratchRef)
+
+
+class OpNode:
+    """One recorded call: ``func(*args, **kwargs)`` with references.
+
+    Args:
+        func: The ``OpOverload``.
+        args (tuple): Arguments, tensors replaced by references (one level
+            of lists/tuples is searched, as aten ops take tensor lists).
+        kwargs (dict): Keyword arguments, likewise.
+        cost (float): Cost of the call in FLOP-equivalents.
+        rng (tuple | None): ``(generator, state)`` of a random op.
+    """
+    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng')
+
+    def __init__(self, func, args, kwargs, cost, rng=None):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.cost, self.rng = cost, rng
+
+    def refs(self):
+        """Yield every reference among the arguments."""
+        for a in (*self.args, *self.kwargs.values()):
+            if isinstance(a, _REFS):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _REFS):
+                        yield b
+
+
+class AllocNode:
+    """Creator of an uninitialized storage (``empty`` and friends)."""
+    __slots__ = ('nbytes', 'device', 'cost', 'args', 'kwargs')
+
+    def __init__(self, nbytes, device):
+        self.nbytes, self.device, self.cost = nbytes, device, 1.0
+        self.args, self.kwargs = (), {}
+
+    def refs(self):
+        return iter(())
+
+
+class StorageRecord:
+    """The engine's record of one storage allocated while it is active.
+
+    Attributes:
+        nbytes (int): Size of the storage.
+        device (torch.device): Where it lives.
+        cdata (int | None): Address of the live storage (key of the
+            engine's table), ``None`` while it is not resident.
+        wref (weakref.ref | None): Weak reference to the live storage.
+        views (dict): The engine's own aliases, keyed by view meta; they
+            keep a saved storage resident (rule R3).
+        handles (int): Saved-tensor handles pointing at this record.
+        creator (OpNode | AllocNode | None): The producing call.
+        out_index (int): Which output of ``creator`` this storage is.
+        base (int): Version the creator's output has.
+        mutations (list): In-place writes; ``mutations[i]`` makes version
+            ``base + i + 1``.
+        version (int): Current version (number of writes seen).
+        lo (int | None), hi (int | None): Versions ``lo..hi`` can be
+            recomputed; ``lo is None``: none can; ``hi is None``: no bound.
+        cost (float): Cost of the creator and the writes.
+        last_access (int): Clock of the last use.
+        remat_count (int): Times recomputed.
+        users (list): Weak references to records whose recipes read this.
+        inputs (list): Records this one's recipe reads.
+        keepalive: A strong reference to the storage of a frozen record.
+    """
+    __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
+                 'creator', 'out_index', 'base', 'mutations', 'version',
+                 'lo', 'hi', 'cost', 'last_access', 'remat_count', 'users',
+                 'inputs', 'cand_index', 'uf_parent', 'uf_cost', 'keepalive',
+                 '__weakref__')
+
+    def __init__(self, nbytes, device, clock):
+        self.nbytes, self.device = nbytes, device
+        self.cdata = self.wref = self.creator = self.keepalive = None
+        self.lo = self.hi = self.uf_parent = None
+        self.views = {}
+        self.handles = self.out_index = self.base = self.version = 0
+        self.remat_count = 0
+        self.mutations, self.users, self.inputs = [], [], []
+        self.cost, self.uf_cost = 0.0, 0.0
+        self.last_access = clock
+        self.cand_index = -1
+
+    @property
+    def resident(self) -> bool:
+        return self.cdata is not None
+
+    def storage(self):
+        """The live storage, or ``None``."""
+        return self.wref() if self.wref is not None else None
+
+    def recomputable(self, version: int) -> bool:
+        """Whether ``version`` of this storage can be rebuilt by replay."""
+        return (self.lo is not None and self.lo <= version
+                and (self.hi is None or version <= self.hi))
+
+    def add_inputs(self, node) -> None:
+        """Link this record to the records ``node`` reads (both ways)."""
+        me = weakref.ref(self)
+        for ref in node.refs():
+            rec = getattr(ref, 'record', None)
+            if rec is not None and rec is not self:
+                rec.users.append(me)
+                self.inputs.append(rec)
+
+    # DTR's union-find approximation of evicted neighbourhoods --------------
+    def uf_root(self):
+        root = self
+        while root.uf_parent is not root:
+            root = root.uf_parent
+        node = self
+        while node.uf_parent is not root:  # path compression
+            node.uf_parent, node = root, node.uf_parent
+        return root
+
+    def evicted_neighbours(self):
+        for rec in self.inputs:
+            if rec.uf_parent is not None and not rec.resident:
+                yield rec
+        for ref in self.users:
+            rec = ref()
+            if rec is not None and rec.uf_parent is not None \
+                    and not rec.resident:
+                yield rec
+
+    def evicted_neighborhood_cost(self) -> float:
+        """Cost of the distinct evicted classes adjacent to this record."""
+        roots = {id(r.uf_root()): r.uf_root() for r in
+                 self.evicted_neighbours()}
+        return sum(r.uf_cost for r in roots.values())
+
+    def join_evicted_class(self) -> None:
+        """On eviction: merge with the evicted neighbours' classes.
+
+        A record keeps its class after it is recomputed (DTR's
+        approximation: union-find cannot split), so re-eviction only merges.
+        """
+        if self.uf_parent is None:
+            self.uf_parent, self.uf_cost = self, self.cost
+        for rec in list(self.evicted_neighbours()):
+            a, b = self.uf_root(), rec.uf_root()
+            if a is not b:
+                b.uf_parent = a
+                a.uf_cost += b.uf_cost

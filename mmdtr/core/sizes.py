@@ -1,0 +1,57 @@
+"""Parse memory sizes given as ints or strings such as ``'5GB'``."""
+import re
+from typing import Optional, Union
+
+from mmdtr.errors import MmdtrError
+
+# Binary units throughout, as MegEngine reads them ('1GB' == 2**30).
+_UNITS = {'': 1, 'b': 1}
+for _i, _p in enumerate('kmgt', start=1):
+    _UNITS[_p + 'b'] = _UNITS[_p + 'ib'] = 1024**_i
+_PATTERN = re.compile(r'^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$')
+ACCEPTED = ("an int number of bytes, or a string like '5GB', '512MiB', "
+            "'1.5 GB' (B, KB/KiB, MB/MiB, GB/GiB, TB/TiB; all binary, "
+            "1GB = 2**30 bytes, as MegEngine reads them)")
+
+
+def parse_size(value: Union[int, str, None],
+               key: str = 'size',
+               allow_none: bool = False) -> Optional[int]:
+    """Return ``value`` as a number of bytes.
+
+    Args:
+        value (int | str | None): Bytes as an int, or a string such as
+            ``'5GB'``, ``'512MiB'`` or ``'1.5 GB'``. Units are binary
+            (``'1GB' == 2**30``), as in MegEngine.
+        key (str): The name of the option, used in error messages.
+        allow_none (bool): Whether ``None`` (meaning "unset") is accepted.
+
+    Returns:
+        int | None: The number of bytes.
+
+    Raises:
+        MmdtrError: If the value is of another type or form, or negative.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        pass  # bool is an int subclass; reject it below
+    elif isinstance(value, int):
+        if value < 0:
+            raise MmdtrError(f'{key}={value!r} is negative.',
+                             f'Give {ACCEPTED}.')
+        return value
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            number = float(match.group(1))
+            return int(number * _UNITS[match.group(2).lower()])
+    raise MmdtrError(f'{key}={value!r} is not a size.', f'Give {ACCEPTED}.')
+
+
+def format_size(nbytes: float) -> str:
+    """Format bytes for humans, e.g. ``'1.50 GiB'``."""
+    for unit, scale in (('GiB', 1024**3), ('MiB', 1024**2), ('KiB', 1024)):
+        if abs(nbytes) >= scale:
+            return f'{nbytes / scale:.2f} {unit}'
+    return f'{int(nbytes)} B'
