@@ -1,0 +1,65 @@
+"""Shared test fixtures: the bit-exactness oracle of the DTR engine."""
+import copy
+
+import pytest
+import torch
+
+from mmdtr.dtr import DTR
+
+
+def _state(model):
+    return ({n: p.grad for n, p in model.named_parameters()},
+            dict(model.named_buffers()))
+
+
+def assert_bit_identical(model_a, model_b, loss_a, loss_b):
+    """Loss, every gradient and every buffer equal, bit for bit."""
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    grads_a, bufs_a = _state(model_a)
+    grads_b, bufs_b = _state(model_b)
+    for name, g in grads_a.items():
+        h = grads_b[name]
+        assert (g is None) == (h is None), name
+        assert g is None or torch.equal(g, h), f'gradient of {name} differs'
+    for name, b in bufs_a.items():
+        assert torch.equal(b, bufs_b[name]), f'buffer {name} differs'
+
+
+class Oracle:
+    """Runs ``step(model)`` without DTR and under DTR, and compares.
+
+    ``step(model) -> loss`` must do forward and backward. Both runs start
+    from deep copies of the same model and the same RNG state.
+    """
+
+    def __init__(self, model, step, seed=0):
+        self.model, self.step, self.seed = model, step, seed
+        self.baseline_model = copy.deepcopy(model)
+        torch.manual_seed(seed)
+        self.baseline_loss = step(self.baseline_model)
+        self.rng_after = torch.get_rng_state()
+        probe = copy.deepcopy(model)
+        torch.manual_seed(seed)
+        with DTR(eviction_threshold=2**62, evictee_minimum_size=1) as e:
+            step(probe)
+        #: the engine's meter of the step with nothing evicted
+        self.baseline_peak = e.stats.peak_memory
+
+    def run(self, threshold, **kwargs):
+        """Run under DTR at ``threshold`` bytes; assert bit-identity."""
+        model = copy.deepcopy(self.model)
+        torch.manual_seed(self.seed)
+        kwargs.setdefault('evictee_minimum_size', 1)
+        with DTR(eviction_threshold=max(int(threshold), 1),
+                 **kwargs) as engine:
+            loss = self.step(model)
+        assert_bit_identical(self.baseline_model, model, self.baseline_loss,
+                             loss)
+        # recomputation never shifts the global RNG stream
+        assert torch.equal(torch.get_rng_state(), self.rng_after)
+        return engine.stats
+
+
+@pytest.fixture
+def oracle():
+    return Oracle
