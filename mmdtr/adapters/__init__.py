@@ -3,3 +3,6 @@
 Each adapter module registers itself on import; add one line per module.
 """
 from . import config_translation  # noqa: F401
+from . import checkpoint_loading  # noqa: F401
+from . import distributed  # noqa: F401
+from . import runner  # noqa: F401

@@ -1,0 +1,143 @@
+"""Distributed data-parallel training on CPU with the gloo backend.
+
+MMEngine 0.10.7 assumes an accelerator when distributed: ``init_dist``
+calls ``torch.cuda.set_device`` and ``Runner.wrap_model`` passes
+``device_ids=[LOCAL_RANK]`` to DDP, and both fail on a CPU-only machine.
+mmdtr's runner (:mod:`mmdtr.adapters.runner`) uses the two pieces below
+instead when no accelerator is available; with CUDA, MMEngine's own path
+(nccl, ``MMDistributedDataParallel``) is kept.
+"""
+import datetime
+import os
+import subprocess
+from typing import Optional
+
+import torch.distributed as torch_dist
+from mmengine.model import MMDistributedDataParallel
+from torch import nn
+
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import MODEL_WRAPPERS
+
+#: launcher -> environment variables giving (rank, world size, local rank)
+_LAUNCHER_ENV = {
+    'pytorch': ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'),
+    'slurm': ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'),
+    'mpi': ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+            'OMPI_COMM_WORLD_LOCAL_RANK'),
+}
+_CPU_BACKENDS = ('gloo', 'mpi')
+
+
+def _env(name: str, launcher: str) -> str:
+    if name not in os.environ:
+        raise MmdtrError(
+            f'launcher {launcher!r} needs the environment variable {name}, '
+            'which is not set.',
+            hint='start the processes with tools/dist_train.sh (torchrun) '
+            'for --launcher pytorch.')
+    return os.environ[name]
+
+
+def init_cpu_dist(launcher: str,
+                  backend: str = 'gloo',
+                  init_backend: str = 'torch',
+                  timeout: Optional[int] = None,
+                  port: Optional[int] = None,
+                  **kwargs) -> None:
+    """Initialise the default process group for CPU training.
+
+    Like :func:`mmengine.dist.init_dist`, but it never touches CUDA.
+    MMEngine's default backend ``'nccl'`` is replaced by ``'gloo'``.
+
+    Args:
+        launcher (str): ``'pytorch'`` (torchrun), ``'slurm'`` or ``'mpi'``.
+        backend (str): ``'gloo'`` or ``'mpi'``; ``'nccl'`` means ``'gloo'``.
+            Defaults to ``'gloo'``.
+        init_backend (str): Only ``'torch'`` is supported on CPU.
+        timeout (int, optional): Timeout of collectives, in seconds.
+        port (int, optional): Master port for ``'slurm'`` (otherwise the
+            ``MASTER_PORT`` variable, or 29500).
+        **kwargs: Passed to :func:`torch.distributed.init_process_group`.
+
+    Examples:
+        >>> # in a config, as for MMEngine; on CPU nccl becomes gloo
+        >>> env_cfg = dict(dist_cfg=dict(backend='gloo', timeout=1800))
+    """
+    if backend == 'nccl':
+        backend = 'gloo'
+    if backend not in _CPU_BACKENDS:
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU; '
+            f'accepted: {_CPU_BACKENDS} (or nccl, which means gloo).')
+    if init_backend != 'torch':
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.init_backend={init_backend!r} is not '
+            "supported on CPU; accepted: 'torch'.")
+    if launcher not in _LAUNCHER_ENV:
+        raise MmdtrError(f'launcher={launcher!r} is not supported; accepted: '
+                         f'{tuple(_LAUNCHER_ENV)}.')
+    rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
+    rank = int(_env(rank_var, launcher))
+    world_size = int(_env(size_var, launcher))
+    if launcher == 'slurm':
+        if port is not None:
+            os.environ['MASTER_PORT'] = str(port)
+        os.environ.setdefault('MASTER_PORT', '29500')
+        if 'MASTER_ADDR' not in os.environ:
+            nodes = _env('SLURM_NODELIST', launcher)
+            os.environ['MASTER_ADDR'] = subprocess.getoutput(
+                f'scontrol show hostname {nodes} | head -n1')
+    elif launcher == 'mpi':
+        os.environ.setdefault('MASTER_PORT', '29500')
+        _env('MASTER_ADDR', launcher)
+    os.environ['RANK'] = str(rank)
+    os.environ['WORLD_SIZE'] = str(world_size)
+    os.environ['LOCAL_RANK'] = os.environ.get(local_var, '0')
+    if timeout is not None:
+        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+    torch_dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, **kwargs)
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return all(t.device.type == 'cpu' for t in tensors)
+
+
+@MODEL_WRAPPERS.register_module()
+class MMDTRDistributedDataParallel(MMDistributedDataParallel):
+    """:class:`~mmengine.model.MMDistributedDataParallel` that runs on CPU.
+
+    MMEngine's runner always passes ``device_ids=[LOCAL_RANK]``, which DDP
+    rejects for a CPU module. This wrapper drops ``device_ids`` and
+    ``output_device`` when the module lives on the CPU and is otherwise
+    identical to ``MMDistributedDataParallel``. mmdtr's runner uses it by
+    default for distributed training on CPU; subclass it to add per-rank
+    behaviour.
+
+    Args:
+        module (nn.Module): The model to wrap.
+        detect_anomalous_params (bool): See ``MMDistributedDataParallel``.
+            Defaults to False.
+        **kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Examples:
+        >>> # only needed to pass DDP options; the default on CPU is this
+        >>> model_wrapper_cfg = dict(
+        ...     type='mmdtr.MMDTRDistributedDataParallel',
+        ...     broadcast_buffers=False,
+        ...     find_unused_parameters=True)
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 detect_anomalous_params: bool = False,
+                 **kwargs):
+        if _on_cpu(module):
+            kwargs.pop('device_ids', None)
+            kwargs.pop('output_device', None)
+        super().__init__(
+            module=module,
+            detect_anomalous_params=detect_anomalous_params,
+            **kwargs)

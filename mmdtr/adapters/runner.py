@@ -1,0 +1,170 @@
+"""mmdtr's Runner: MMEngine's Runner that honours mmdtr's config keys.
+
+It adds three things to :class:`mmengine.runner.Runner`:
+
+- :meth:`MMDTRRunner.from_cfg` translates mmdtr's memory keys
+  (:func:`~mmdtr.adapters.config_translation.translate_memory_keys`), so a
+  downstream repo's own ``tools/train.py`` honours the same keys as mmdtr's;
+- distributed training on a CPU-only machine: the process group is
+  initialised with gloo and the model is wrapped by
+  :class:`~mmdtr.adapters.distributed.MMDTRDistributedDataParallel`
+  (with CUDA, MMEngine's nccl and ``MMDistributedDataParallel`` are kept);
+- checkpoints load with ``torch.load(weights_only=True)`` (see
+  :mod:`mmdtr.adapters.checkpoint_loading`).
+
+MMEngine builds a runner either with ``Runner.from_cfg(cfg)`` or, when the
+config has ``runner_type``, with ``RUNNERS.build(cfg)``, which calls
+``runner_cls.from_cfg(cfg)``. Both routes go through
+:meth:`MMDTRRunner.from_cfg`; translation is idempotent, so a config that
+``tools/train.py`` already translated is not translated again.
+"""
+from typing import Dict, Optional, Union
+
+from mmengine.config import Config, ConfigDict
+from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
+                             is_npu_available)
+from mmengine.dist import is_distributed
+from mmengine.model import is_model_wrapper
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine.runner import Runner
+from torch import distributed as torch_dist
+from torch import nn
+
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import RUNNERS
+from .checkpoint_loading import register_checkpoint_safe_globals
+from .config_translation import translate_memory_keys
+from .distributed import init_cpu_dist
+
+
+def _is_amp(wrapper_type) -> bool:
+    if isinstance(wrapper_type, str):
+        return wrapper_type.split('.')[-1] == 'AmpOptimWrapper'
+    from mmengine.optim import AmpOptimWrapper
+    return isinstance(wrapper_type, type) and issubclass(
+        wrapper_type, AmpOptimWrapper)
+
+
+def check_amp_available(optim_wrapper: Optional[dict]) -> None:
+    """Fail early if ``optim_wrapper`` asks for AMP on a CPU-only machine.
+
+    MMEngine's ``AmpOptimWrapper`` needs CUDA, NPU or MLU, and otherwise
+    fails with an assertion deep inside the runner.
+
+    Args:
+        optim_wrapper (dict, optional): The ``optim_wrapper`` config; a dict
+            of such configs (one per optimizer) is accepted too.
+
+    Raises:
+        MmdtrError: If an ``AmpOptimWrapper`` is asked for and no supported
+            accelerator is available.
+    """
+    if not isinstance(optim_wrapper, dict):
+        return
+    wrappers = [optim_wrapper]
+    if 'type' not in optim_wrapper and 'optimizer' not in optim_wrapper:
+        wrappers = [w for w in optim_wrapper.values() if isinstance(w, dict)]
+    if is_cuda_available() or is_npu_available() or is_mlu_available():
+        return
+    for wrapper in wrappers:
+        if _is_amp(wrapper.get('type')):
+            raise MmdtrError(
+                f"optim_wrapper.type={wrapper.get('type')!r} (AMP, e.g. from "
+                '--amp) needs a CUDA, NPU or MLU device, but none is '
+                "available; MMEngine's AmpOptimWrapper cannot run on CPU.",
+                hint="drop --amp, or use optim_wrapper.type='OptimWrapper'.")
+
+
+@RUNNERS.register_module()
+class MMDTRRunner(Runner):
+    """MMEngine's Runner with mmdtr's config keys and CPU-distributed support.
+
+    Accepts the same arguments as :class:`mmengine.runner.Runner`. Build it
+    with :meth:`from_cfg` (or through ``runner_type``) so that mmdtr's memory
+    keys are translated into hooks; building it with ``__init__`` directly
+    takes ``custom_hooks`` as given.
+
+    Examples:
+        >>> # in a downstream repo's config, used by its own tools/train.py
+        >>> custom_imports = dict(imports=['mmdtr'],
+        ...                       allow_failed_imports=False)
+        >>> runner_type = 'MMDTRRunner'  # or 'mmdtr.MMDTRRunner'
+        >>> activation_checkpointing = ['backbone.layer1']
+    """
+
+    #: model wrapper used by default when distributed on CPU.
+    cpu_model_wrapper: str = 'mmdtr.MMDTRDistributedDataParallel'
+
+    def __init__(self, *args, **kwargs):
+        register_checkpoint_safe_globals()
+        super().__init__(*args, **kwargs)
+        if self.distributed and get_device() == 'cpu':
+            self.logger.info(
+                f'mmdtr: distributed on CPU, backend '
+                f'{torch_dist.get_backend()}, world size {self.world_size}, '
+                f'model wrapper {type(self.model).__name__}.')
+
+    @classmethod
+    def from_cfg(cls, cfg: Union[Config, ConfigDict, dict]) -> 'MMDTRRunner':
+        """Build a runner from a config, translating mmdtr's memory keys.
+
+        Args:
+            cfg (Config or dict): The config; see
+                :meth:`mmengine.runner.Runner.__init__` for its keys.
+
+        Returns:
+            MMDTRRunner: The runner.
+
+        Raises:
+            MmdtrError: If a memory key has a bad value, or AMP is asked for
+                on a CPU-only machine.
+        """
+        if not isinstance(cfg, Config):
+            cfg = Config(dict(cfg))
+        cfg = translate_memory_keys(cfg)
+        check_amp_available(cfg.get('optim_wrapper'))
+        return super().from_cfg(cfg)
+
+    def setup_env(self, env_cfg: Dict) -> None:
+        """Set up the environment; on CPU, initialise gloo first.
+
+        MMEngine's ``init_dist`` calls ``torch.cuda.set_device``. Without an
+        accelerator the process group is initialised here with
+        :func:`~mmdtr.adapters.distributed.init_cpu_dist`; MMEngine's
+        ``setup_env`` then skips ``init_dist`` since the group exists.
+
+        Args:
+            env_cfg (dict): The ``env_cfg`` of the config.
+        """
+        if (self.distributed and not is_distributed()
+                and get_device() == 'cpu'):
+            init_cpu_dist(self.launcher, **env_cfg.get('dist_cfg', {}))
+        super().setup_env(env_cfg)
+
+    def wrap_model(self, model_wrapper_cfg: Optional[Dict],
+                   model: nn.Module) -> nn.Module:
+        """Wrap the model; on CPU, with :attr:`cpu_model_wrapper` by default.
+
+        Args:
+            model_wrapper_cfg (dict, optional): The config's
+                ``model_wrapper_cfg``; when set it is used as is.
+            model (nn.Module): The model to wrap.
+
+        Returns:
+            nn.Module: The wrapped model (or the model when not distributed).
+        """
+        if (model_wrapper_cfg is None and self.distributed
+                and not is_model_wrapper(model) and get_device() == 'cpu'):
+            model_wrapper_cfg = dict(
+                type=self.cpu_model_wrapper,
+                broadcast_buffers=False,
+                find_unused_parameters=self.cfg.get('find_unused_parameters',
+                                                    False))
+        return super().wrap_model(model_wrapper_cfg, model)
+
+
+# ``runner_type='MMDTRRunner'`` must resolve under any default scope (e.g. a
+# downstream repo's 'mmdet'), so the runner is reachable from MMEngine's root
+# registry too; ``'mmdtr.MMDTRRunner'`` resolves to the same class.
+if MMENGINE_RUNNERS.get('MMDTRRunner') is None:
+    MMENGINE_RUNNERS.register_module(module=MMDTRRunner)

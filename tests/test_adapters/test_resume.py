@@ -1,0 +1,161 @@
+"""Resume and load_from under torch.load(weights_only=True), bit for bit."""
+import os.path as osp
+import shutil
+import uuid
+
+import pytest
+import torch
+from mmengine.logging import HistoryBuffer
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from mmengine.runner import Runner
+from torch import nn
+from torch.utils.data import Dataset
+
+from mmdtr.adapters.checkpoint_loading import (checkpoint_safe_globals,
+                                               history_buffer_getattr)
+from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.errors import MmdtrError
+
+N_ITERS, CKPT_ITER = 6, 3
+
+
+@MODELS.register_module(force=True)
+class ResumeToyModel(BaseModel):
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        x = self.bn(self.conv(inputs)).relu().mean((2, 3))
+        out = self.fc(x)
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(out, labels))
+        return out
+
+
+@DATASETS.register_module(force=True)
+class ResumeToyDataset(Dataset):
+    metainfo = dict(classes=('a', 'b'))
+
+    def __init__(self, size=24):
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, 3, 6, 6, generator=gen)
+        self.y = torch.randint(0, 2, (size, ), generator=gen)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return dict(inputs=self.x[i], labels=self.y[i])
+
+
+def make_cfg(work_dir, **kwargs):
+    cfg = dict(
+        model=dict(type='ResumeToyModel'),
+        work_dir=str(work_dir),
+        experiment_name=f'resume_{uuid.uuid4().hex}',
+        train_dataloader=dict(
+            dataset=dict(type='ResumeToyDataset'),
+            sampler=dict(type='DefaultSampler', shuffle=True),
+            batch_size=4,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=N_ITERS),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
+        param_scheduler=dict(
+            type='MultiStepLR', by_epoch=False, milestones=[2, 5]),
+        default_hooks=dict(
+            checkpoint=dict(
+                type='CheckpointHook', interval=CKPT_ITER, by_epoch=False)),
+        randomness=dict(seed=0),
+        log_level='WARNING')
+    cfg.update(kwargs)
+    return cfg
+
+
+def flat_state(runner):
+    """Model state dict and flattened optimizer state of a runner."""
+    state = {f'model.{k}': v for k, v in runner.model.state_dict().items()}
+    optim = runner.optim_wrapper.state_dict()
+    for idx, param_state in optim['state'].items():
+        for key, value in param_state.items():
+            state[f'optim.{idx}.{key}'] = torch.as_tensor(value)
+    for group in optim['param_groups']:
+        state['optim.lr'] = torch.as_tensor(group['lr'])
+    return state
+
+
+def assert_bit_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope='module')
+def full_run(tmp_path_factory):
+    """An uninterrupted run that saves a checkpoint at CKPT_ITER."""
+    work_dir = tmp_path_factory.mktemp('full')
+    runner = MMDTRRunner.from_cfg(make_cfg(work_dir))
+    runner.train()
+    ckpt = osp.join(work_dir, f'iter_{CKPT_ITER}.pth')
+    assert osp.isfile(ckpt)
+    return flat_state(runner), ckpt
+
+
+def test_checkpoint_needs_no_other_globals(full_run):
+    _, ckpt = full_run
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(ckpt) == []
+    checkpoint = torch.load(ckpt, weights_only=True)
+    assert checkpoint['meta']['iter'] == CKPT_ITER
+    buffers = checkpoint['message_hub']['log_scalars']
+    assert isinstance(buffers['train/loss'], HistoryBuffer)
+    assert buffers['train/loss'].mean() > 0
+
+
+@pytest.mark.parametrize('runner_cls', [MMDTRRunner, Runner])
+def test_resume_from_path_is_bit_exact(full_run, tmp_path, runner_cls):
+    # the plain Runner works too: importing mmdtr registered the globals
+    expected, ckpt = full_run
+    cfg = make_cfg(tmp_path, load_from=ckpt, resume=True)
+    runner = runner_cls.from_cfg(cfg)
+    runner.train()
+    assert runner.iter == N_ITERS
+    assert_bit_equal(flat_state(runner), expected)
+
+
+def test_auto_resume_is_bit_exact(full_run, tmp_path):
+    expected, ckpt = full_run
+    shutil.copy(ckpt, tmp_path)
+    (tmp_path /
+     'last_checkpoint').write_text(str(tmp_path / osp.basename(ckpt)))
+    runner = MMDTRRunner.from_cfg(make_cfg(tmp_path, resume=True))
+    runner.train()
+    assert_bit_equal(flat_state(runner), expected)
+
+
+def test_load_from_loads_weights_only(full_run, tmp_path):
+    _, ckpt = full_run
+    runner = MMDTRRunner.from_cfg(make_cfg(tmp_path, load_from=ckpt))
+    runner.load_or_resume()
+    saved = torch.load(ckpt, weights_only=True)['state_dict']
+    assert_bit_equal(runner.model.state_dict(), saved)
+    assert runner.iter == 0  # weights only: no training state
+
+
+def test_getattr_stand_in_is_restricted(tmp_path):
+    path = str(tmp_path / 'x.pth')
+    torch.save(dict(f=HistoryBuffer.mean), path)
+    assert torch.load(path, weights_only=True)['f'] is HistoryBuffer.mean
+    # any other attribute, e.g. a route to __globals__, is refused
+    torch.save(dict(f=HistoryBuffer.__init__), path)
+    with pytest.raises(MmdtrError, match='refusing getattr'):
+        torch.load(path, weights_only=True)
+    with pytest.raises(MmdtrError):
+        history_buffer_getattr(torch, 'load')
+    names = [g[1] for g in checkpoint_safe_globals() if isinstance(g, tuple)]
+    assert 'builtins.getattr' in names
+    assert getattr not in checkpoint_safe_globals()

@@ -1,0 +1,191 @@
+"""MMDTRRunner: registered names, and memory keys translated exactly once."""
+import copy
+import importlib.util
+import os.path as osp
+import uuid
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine.registry import DefaultScope
+from torch import nn
+from torch.utils.data import Dataset
+
+from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
+                                               memory_key)
+from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import RUNNERS
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+DUMMY_KEY = '_mmdtr_test_dummy_key'
+
+
+@MODELS.register_module(force=True)
+class RunnerToyModel(BaseModel):
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        out = self.fc(inputs)
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(out, labels))
+        return out
+
+
+@DATASETS.register_module(force=True)
+class RunnerToyDataset(Dataset):
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return dict(inputs=torch.full((3, ), float(i)), labels=i % 2)
+
+
+@HOOKS.register_module(force=True)
+class DummyMemoryHook(Hook):
+
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.fixture
+def dummy_key():
+    """Register a dummy memory key; count its translations; clean up."""
+    calls = []
+
+    @memory_key(DUMMY_KEY)
+    def _translate(value):
+        if value == 'bad':
+            raise MmdtrError(f'{DUMMY_KEY}={value!r} is not accepted.')
+        calls.append(value)
+        return dict(type='DummyMemoryHook', value=value)
+
+    yield calls
+    MEMORY_KEY_TRANSLATORS.pop(DUMMY_KEY)
+
+
+def make_cfg(work_dir, **kwargs):
+    cfg = dict(
+        model=dict(type='RunnerToyModel'),
+        work_dir=str(work_dir),
+        experiment_name=f'runner_{uuid.uuid4().hex}',
+        train_dataloader=dict(
+            dataset=dict(type='RunnerToyDataset'),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            batch_size=2,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=2),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        log_level='WARNING')
+    cfg.update(kwargs)
+    return Config(cfg)
+
+
+def load_train_tool():
+    spec = importlib.util.spec_from_file_location(
+        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_registered_names():
+    assert RUNNERS.get('MMDTRRunner') is MMDTRRunner
+    assert MMENGINE_RUNNERS.get('MMDTRRunner') is MMDTRRunner
+    assert MMENGINE_RUNNERS.get('mmdtr.MMDTRRunner') is MMDTRRunner
+    # a downstream repo's default scope does not hide the plain name
+    with DefaultScope.overwrite_default_scope('mmengine'):
+        with MMENGINE_RUNNERS.switch_scope_and_registry(None) as registry:
+            assert registry.get('MMDTRRunner') is MMDTRRunner
+
+
+def _from_cfg(cfg):
+    return MMDTRRunner.from_cfg(cfg)
+
+
+def _downstream_build(runner_type):
+    """What a downstream tools/train.py does with ``runner_type``."""
+
+    def build(cfg):
+        cfg.runner_type = runner_type
+        return MMENGINE_RUNNERS.build(cfg)
+
+    return build
+
+
+def _train_tool(cfg):
+    # tools/train.py translates, then builds: the runner must not redo it
+    tool = load_train_tool()
+    return tool.build_runner(tool.translate_memory_keys(cfg))
+
+
+@pytest.mark.parametrize(
+    'build', [
+        _from_cfg,
+        _downstream_build('MMDTRRunner'),
+        _downstream_build('mmdtr.MMDTRRunner'), _train_tool
+    ],
+    ids=['from_cfg', 'runner_type', 'scoped_type', 'train_tool'])
+def test_memory_keys_translated_once(dummy_key, tmp_path, build):
+    cfg = make_cfg(tmp_path, **{DUMMY_KEY: 'on'})
+    runner = build(cfg)
+    assert isinstance(runner, MMDTRRunner)
+    assert dummy_key == ['on']
+    hooks = [h for h in runner.hooks if isinstance(h, DummyMemoryHook)]
+    assert len(hooks) == 1 and hooks[0].value == 'on'
+    assert DUMMY_KEY not in runner.cfg
+    assert DUMMY_KEY in cfg  # the caller's config is left untouched
+    runner.train()
+    assert runner.iter == 2
+
+
+def test_absent_key_adds_no_hook(dummy_key, tmp_path):
+    runner = MMDTRRunner.from_cfg(make_cfg(tmp_path))
+    assert dummy_key == []
+    assert not any(isinstance(h, DummyMemoryHook) for h in runner.hooks)
+
+
+def test_bad_key_fails_before_building(dummy_key, tmp_path):
+    cfg = make_cfg(tmp_path / 'never', **{DUMMY_KEY: 'bad'})
+    with pytest.raises(MmdtrError, match=DUMMY_KEY):
+        MMDTRRunner.from_cfg(cfg)
+    assert not (tmp_path / 'never').exists()
+
+
+def test_plain_dict_config(dummy_key, tmp_path):
+    cfg = copy.deepcopy(make_cfg(tmp_path, **{DUMMY_KEY: 3}).to_dict())
+    runner = MMDTRRunner.from_cfg(cfg)
+    assert dummy_key == [3]
+    assert not runner.distributed
+    assert isinstance(runner.model, RunnerToyModel)  # not wrapped
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
+@pytest.mark.parametrize('optim_wrapper', [
+    dict(type='AmpOptimWrapper', optimizer=dict(type='SGD', lr=0.1)),
+    dict(type='mmengine.AmpOptimWrapper', optimizer=dict(type='SGD')),
+    dict(
+        gen=dict(type='AmpOptimWrapper', optimizer=dict(type='SGD')),
+        disc=dict(type='OptimWrapper', optimizer=dict(type='SGD'))),
+])
+def test_amp_on_cpu_raises(tmp_path, optim_wrapper):
+    with pytest.raises(MmdtrError, match='AmpOptimWrapper'):
+        check_amp_available(optim_wrapper)
+    cfg = make_cfg(tmp_path, optim_wrapper=optim_wrapper)
+    with pytest.raises(MmdtrError, match='AmpOptimWrapper'):
+        MMDTRRunner.from_cfg(cfg)
+
+
+def test_plain_optim_wrapper_passes():
+    check_amp_available(dict(type='OptimWrapper', optimizer=dict(type='SGD')))
+    check_amp_available(dict(optimizer=dict(type='SGD')))
+    check_amp_available(None)

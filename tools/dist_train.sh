@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Distributed training with torchrun (torch.distributed.run).
+#
+# Usage: bash tools/dist_train.sh CONFIG NPROC [train.py args...]
+#   NPROC processes per node: GPUs with CUDA (nccl), or CPU processes on a
+#   CPU-only machine (gloo, chosen by mmdtr's runner).
+# Environment: PORT (29500), NNODES (1), NODE_RANK (0),
+#   MASTER_ADDR (127.0.0.1), PYTHON (python).
+
+CONFIG=$1
+NPROC=$2
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+PYTHON=${PYTHON:-python}
+
+if [ -z "$CONFIG" ] || [ -z "$NPROC" ]; then
+    echo "usage: $0 CONFIG NPROC [tools/train.py args...]" >&2
+    exit 2
+fi
+
+PYTHONPATH="$(dirname "$0")/..":$PYTHONPATH \
+$PYTHON -m torch.distributed.run \
+    --nnodes=$NNODES \
+    --node_rank=$NODE_RANK \
+    --master_addr=$MASTER_ADDR \
+    --nproc_per_node=$NPROC \
+    --master_port=$PORT \
+    "$(dirname "$0")/train.py" \
+    "$CONFIG" \
+    --launcher pytorch "${@:3}"
