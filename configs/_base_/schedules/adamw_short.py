@@ -4,8 +4,7 @@
 # Longer: --cfg-options train_cfg.max_iters=1000
 optim_wrapper = dict(
     type='OptimWrapper',
-    optimizer=dict(
-        type='AdamW', lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
+    optimizer=dict(type='AdamW', lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
     paramwise_cfg=dict(
         norm_decay_mult=0.0, bias_decay_mult=0.0, bypass_duplicate=True),
     clip_grad=dict(max_norm=1.0))
