@@ -35,8 +35,26 @@ def op_cost(func, args, kwargs, out, bytes_moved: int) -> float:
     """
     formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
+        # Call the raw formula on shapes: flop_counter's shape_wrapper goes
+        # through pytree, whose recursive closure makes a reference cycle
+        # that would keep this op's tensors alive until the next GC.
+        raw = getattr(formula, '__wrapped__', None)
         try:
-            return float(max(formula(*args, **kwargs, out_val=out), 1))
+            if raw is not None:
+                flops = raw(*map(_shape, args), out_shape=_shape(out),
+                            **{k: _shape(v)
+                               for k, v in kwargs.items()})
+            else:
+                flops = formula(*args, **kwargs, out_val=out)
+            return float(max(flops, 1))
         except Exception:  # a formula that cannot read this call
             pass
     return max(bytes_moved * FLOPS_PER_BYTE, 1.0)
+
+
+def _shape(x):
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shape(y) for y in x)
+    return x

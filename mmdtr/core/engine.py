@@ -54,7 +54,8 @@ class EngineState:
         self.device = torch.device(device)
         self.cuda = self.device.type == 'cuda'
         self.records = {}  # storage address -> StorageRecord (R11)
-        self.external_users = {}  # external storage address -> [weakref]
+        # external storage address -> (WeakSet of users, weakref to it)
+        self.external_users = {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
         self.in_use = self.peak = 0
@@ -165,16 +166,23 @@ class EngineState:
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""
         rec.add_inputs(node)
-        me = None
         for ref in node.refs():
             if isinstance(ref, HeldRef) and ref.record is None:
-                me = me or weakref.ref(rec)
-                users = self.external_users.setdefault(
-                    ref.tensor.untyped_storage()._cdata, [])
-                users.append(me)
-                n = len(users)
-                if n >= 64 and n & (n - 1) == 0:  # amortized pruning
-                    users[:] = [u for u in users if u() is not None]
+                storage = ref.tensor.untyped_storage()
+                entry = self.external_users.get(storage._cdata)
+                if entry is None:
+                    entry = self.external_users[storage._cdata] = (
+                        weakref.WeakSet(),
+                        weakref.ref(storage,
+                                    self._make_forget(storage._cdata)))
+                entry[0].add(rec)
+
+    def _make_forget(self, cdata):
+
+        def forget(_):
+            self.external_users.pop(cdata, None)
+
+        return forget
 
     def _run(self, func, args, kwargs):
         while True:
@@ -252,13 +260,12 @@ class EngineState:
                 return
             users = rec.users
         else:
-            users = self.external_users.pop(cdata, None)
-            if not users:
+            entry = self.external_users.get(cdata)
+            if entry is None:
                 return
-        for ref in list(users):
-            user = ref()
-            if user is not None:
-                self._freeze(user)
+            users = entry[0]
+        for user in list(users):
+            self._freeze(user)
 
     def _freeze(self, rec):
         """Keep ``rec`` resident for good: an input of it is changing."""
@@ -273,9 +280,8 @@ class EngineState:
         rec.keepalive, rec.lo, rec.hi = storage, None, None
         if rec.cand_index >= 0:
             self._drop_candidate(rec)
-        for ref in list(rec.users):
-            user = ref()
-            if user is not None and user.lo is not None:
+        for user in list(rec.users):
+            if user.lo is not None:
                 self._freeze(user)
 
     def _after_write(self, t, node, info):
@@ -446,31 +452,9 @@ class EngineState:
         return storage
 
     def _replay(self, node, self_storage):
-        device = self.device
-
-        def resolve(a):
-            if isinstance(a, RecordRef):
-                return view_of(self.materialize(a.record, a.version), a.meta,
-                               a.record.device)
-            if isinstance(a, HeldRef):
-                if a.current_version() != a.version:
-                    raise MmdtrError(
-                        f'an input of {node.func} (shape '
-                        f'{tuple(a.tensor.shape)}) changed from version '
-                        f'{a.version} to {a.current_version()} outside the '
-                        'engine\'s sight.', 'Please report it.')
-                return a.tensor
-            if isinstance(a, SelfRef):
-                return view_of(self_storage, a.meta, device)
-            if isinstance(a, ScratchRef):
-                with torch._C._DisableTorchDispatch():
-                    return a.tensor.clone()
-            if isinstance(a, (list, tuple)):
-                return type(a)(resolve(b) for b in a)
-            return a
-
-        args = tuple(resolve(a) for a in node.args)
-        kwargs = {k: resolve(v) for k, v in node.kwargs.items()}
+        resolve = self._resolve
+        args = tuple(resolve(a, self_storage) for a in node.args)
+        kwargs = {k: resolve(v, self_storage) for k, v in node.kwargs.items()}
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             if node.rng is None:
                 out = self._run(node.func, args, kwargs)
@@ -482,6 +466,27 @@ class EngineState:
             del args, kwargs  # inputs we no longer need may go
             self.evict_until(self.threshold)
         return out
+
+    def _resolve(self, a, self_storage):
+        """An argument of a replayed call, from its reference."""
+        if isinstance(a, RecordRef):
+            return view_of(self.materialize(a.record, a.version), a.meta,
+                           a.record.device)
+        if isinstance(a, HeldRef):
+            if a.current_version() != a.version:
+                raise MmdtrError(
+                    f'an input (shape {tuple(a.tensor.shape)}) changed from '
+                    f'version {a.version} to {a.current_version()} outside '
+                    "the engine's sight.", 'Please report it with the model.')
+            return a.tensor
+        if isinstance(a, SelfRef):
+            return view_of(self_storage, a.meta, self_storage.device)
+        if isinstance(a, ScratchRef):
+            with torch._C._DisableTorchDispatch():
+                return a.tensor.clone()
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._resolve(b, self_storage) for b in a)
+        return a
 
     def _run_with_rng(self, node, args, kwargs):
         gen, state = node.rng

@@ -120,6 +120,28 @@ class AllocNode:
         return iter(())
 
 
+class EvictedClass:
+    """A union-find node of DTR's evicted equivalence classes.
+
+    Classes point only at classes, never at records: a record -> class ->
+    record path would be a reference cycle, freed only by the garbage
+    collector.
+    """
+    __slots__ = ('parent', 'cost')
+
+    def __init__(self, cost):
+        self.parent, self.cost = None, cost
+
+    def root(self):
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        node = self
+        while node is not root and node.parent is not root:
+            node.parent, node = root, node.parent  # path compression
+        return root
+
+
 class StorageRecord:
     """The engine's record of one storage allocated while it is active.
 
@@ -143,25 +165,26 @@ class StorageRecord:
         cost (float): Cost of the creator and the writes.
         last_access (int): Clock of the last use.
         remat_count (int): Times recomputed.
-        users (list): Weak references to records whose recipes read this.
+        users (weakref.WeakSet): Records whose recipes read this one.
         inputs (list): Records this one's recipe reads.
         keepalive: A strong reference to the storage of a frozen record.
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version',
                  'lo', 'hi', 'cost', 'last_access', 'remat_count', 'users',
-                 'inputs', 'cand_index', 'uf_parent', 'uf_cost', 'keepalive',
+                 'inputs', 'cand_index', 'evicted_class', 'keepalive',
                  '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes, self.device = nbytes, device
         self.cdata = self.wref = self.creator = self.keepalive = None
-        self.lo = self.hi = self.uf_parent = None
+        self.lo = self.hi = self.evicted_class = None
         self.views = {}
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
-        self.mutations, self.users, self.inputs = [], [], []
-        self.cost, self.uf_cost = 0.0, 0.0
+        self.mutations, self.inputs = [], []
+        self.users = weakref.WeakSet()
+        self.cost = 0.0
         self.last_access = clock
         self.cand_index = -1
 
@@ -180,38 +203,28 @@ class StorageRecord:
 
     def add_inputs(self, node) -> None:
         """Link this record to the records ``node`` reads (both ways)."""
-        me = weakref.ref(self)
         for ref in node.refs():
             rec = getattr(ref, 'record', None)
             if rec is not None and rec is not self:
-                rec.users.append(me)
+                rec.users.add(self)
                 self.inputs.append(rec)
 
     # DTR's union-find approximation of evicted neighbourhoods --------------
-    def uf_root(self):
-        root = self
-        while root.uf_parent is not root:
-            root = root.uf_parent
-        node = self
-        while node.uf_parent is not root:  # path compression
-            node.uf_parent, node = root, node.uf_parent
-        return root
-
     def evicted_neighbours(self):
         for rec in self.inputs:
-            if rec.uf_parent is not None and not rec.resident:
+            if rec.evicted_class is not None and not rec.resident:
                 yield rec
-        for ref in self.users:
-            rec = ref()
-            if rec is not None and rec.uf_parent is not None \
-                    and not rec.resident:
+        for rec in self.users:
+            if rec.evicted_class is not None and not rec.resident:
                 yield rec
 
     def evicted_neighborhood_cost(self) -> float:
         """Cost of the distinct evicted classes adjacent to this record."""
-        roots = {id(r.uf_root()): r.uf_root() for r in
-                 self.evicted_neighbours()}
-        return sum(r.uf_cost for r in roots.values())
+        roots = {}
+        for rec in self.evicted_neighbours():
+            root = rec.evicted_class.root()
+            roots[id(root)] = root
+        return sum(root.cost for root in roots.values())
 
     def join_evicted_class(self) -> None:
         """On eviction: merge with the evicted neighbours' classes.
@@ -219,10 +232,10 @@ class StorageRecord:
         A record keeps its class after it is recomputed (DTR's
         approximation: union-find cannot split), so re-eviction only merges.
         """
-        if self.uf_parent is None:
-            self.uf_parent, self.uf_cost = self, self.cost
+        if self.evicted_class is None:
+            self.evicted_class = EvictedClass(self.cost)
         for rec in list(self.evicted_neighbours()):
-            a, b = self.uf_root(), rec.uf_root()
+            a, b = self.evicted_class.root(), rec.evicted_class.root()
             if a is not b:
-                b.uf_parent = a
-                a.uf_cost += b.uf_cost
+                b.parent = a
+                a.cost += b.cost

@@ -1,0 +1,196 @@
+"""What the engine must never do: evict what it cannot replay or what is
+still visible, leave state behind, or leak records across iterations."""
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from mmdtr import dtr
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+
+
+def _chain(x, w):
+    h = x
+    for _ in range(6):
+        h = torch.tanh(h @ w)
+    return h
+
+
+def test_visible_tensors_are_never_evicted():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True) * 0.1
+    x = torch.randn(256, 64)
+    kept, freed = [], []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        h = x
+        for i in range(6):
+            h = torch.tanh(h @ w)
+            kept.append(h)  # visible from Python all along
+            weakref.finalize(h.untyped_storage(), freed.append, i)
+        snapshot = [k.detach().clone() for k in kept]
+        h.sum().backward()
+    assert freed == []
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshot))
+    assert engine.stats.evictions == 0
+
+
+def test_storages_filled_outside_the_dispatcher_are_kept(oracle):
+    data = np.random.RandomState(0).randn(32, 32).astype(np.float32)
+
+    class Custom(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            buf = torch.empty(32, 32)  # filled by a "custom kernel"
+            buf.numpy()[:] = data
+            y = self.lin(x) * buf
+            z = torch.from_numpy(data) + y  # a tensor from outside
+            return (z.sin() * y).sum()
+
+    def step(model):
+        loss = model(torch.randn(32, 32))
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    check = oracle(Custom(), step)
+    stats = check.run(1)
+    assert stats.evictions > 0
+
+
+def test_write_to_external_input_freezes_its_users(oracle):
+    scale = torch.ones(64, 64)
+
+    class Writer(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.lin(x) * 2 + scale  # add does not save scale
+            z = y.sin()  # saves y, whose recipe reads scale@v
+            h = (z * 3).exp()
+            scale.add_(1.0)  # allowed in eager; y must survive it
+            return (h * z).sum()
+
+    def step(model):
+        scale.fill_(1.0)
+        loss = model(torch.randn(64, 64))
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    check = oracle(Writer(), step)
+    check.run(1)
+
+
+def test_exception_in_scope_leaves_nothing_behind():
+    lin = nn.Linear(16, 16)
+    engine = DTR(eviction_threshold=1, evictee_minimum_size=1)
+    with pytest.raises(KeyError):
+        with engine:
+            lin(torch.randn(4, 16)).sin()
+            raise KeyError('boom')
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not engine.active and engine.stats.ops > 0
+
+
+def test_backward_after_exit_still_rebuilds_exactly():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(128, 64)
+    ref = _chain(x, w).sum()
+    (g_ref, ) = torch.autograd.grad(ref, w)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        out = _chain(x, w).sum()
+    assert engine.stats.evictions > 0
+    (g, ) = torch.autograd.grad(out, w)  # the engine is closed now
+    assert torch.equal(g, g_ref)
+
+
+def test_records_do_not_grow_across_iterations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(128, 64)
+    sizes = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+            state = engine._state
+            sizes.append((len(state.records), len(state.candidates),
+                          sum(len(users)
+                              for users, _ in state.external_users.values())))
+    assert sizes[1] == sizes[2] == sizes[3], sizes
+    assert sizes[-1][1] == 0
+
+
+def test_retain_graph_backward_twice_is_exact():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(128, 64)
+    (g_ref, ) = torch.autograd.grad(_chain(x, w).sum(), w)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        out = _chain(x, w).sum()
+        (g1, ) = torch.autograd.grad(out, w, retain_graph=True)
+        (g2, ) = torch.autograd.grad(out, w)
+    assert torch.equal(g1, g_ref) and torch.equal(g2, g_ref)
+
+
+def test_engines_are_per_thread():
+    seen = []
+    with DTR(eviction_threshold='1GB') as engine:
+        before = engine.stats.ops
+        thread = threading.Thread(
+            target=lambda: seen.append((torch.randn(8) * 2).sum()))
+        thread.start()
+        thread.join()
+        assert engine.stats.ops == before  # the thread's ops are not ours
+    assert len(seen) == 1
+
+
+def test_module_level_switches_match_megengine():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(128, 64)
+    (g_ref, ) = torch.autograd.grad(_chain(x, w).sum(), w)
+    dtr.eviction_threshold = '1KB'
+    dtr.evictee_minimum_size = 1
+    try:
+        dtr.enable()
+        with pytest.raises(MmdtrError, match='already enabled'):
+            dtr.enable()
+        (g, ) = torch.autograd.grad(_chain(x, w).sum(), w)
+        stats = dtr.disable()
+    finally:
+        dtr.eviction_threshold, dtr.evictee_minimum_size = None, 2**20
+    assert torch.equal(g, g_ref) and stats.recomputations > 0
+    assert not dtr.is_enabled()
+    with pytest.raises(MmdtrError, match='not enabled'):
+        dtr.disable()
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(eviction_threshold=None), 'needs CUDA'),
+    (dict(eviction_threshold='5 lightyears'), "'5 lightyears'"),
+    (dict(eviction_threshold=1.5), 'is not a size'),
+    (dict(eviction_threshold='1GB', evictee_minimum_size='x'),
+     'evictee_minimum_size'),
+    (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
+     'enable_sqrt_sampling'),
+    (dict(eviction_threshold='1GB', policy='fifo'), "policy='fifo'"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, match):
+    with pytest.raises(MmdtrError, match=match) as info:
+        DTR(device='cpu', **kwargs)
+    assert str(info.value).startswith('mmdtr: ')
+    assert 'Hint:' in str(info.value)
