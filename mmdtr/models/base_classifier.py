@@ -108,7 +108,7 @@ class BaseImageClassifier(BaseModel):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
             raise MmdtrError(
                 'image inputs must be a tensor of shape (N, C, H, W), got '
-                f'{_describe(inputs)}.')
+                f'{describe_value(inputs)}.')
         labels = self._check_labels(data_samples, inputs.size(0))
         logits = self.head(self.backbone(inputs))
         if mode == 'tensor':
@@ -140,11 +140,12 @@ class BaseImageClassifier(BaseModel):
             raise MmdtrError(
                 'classifier data_samples must be an int64 tensor of class '
                 f'indices with shape ({batch_size},), got '
-                f'{_describe(data_samples)}.')
+                f'{describe_value(data_samples)}.')
         return data_samples.long()
 
 
-def _describe(value) -> str:
+def describe_value(value) -> str:
+    """Say what ``value`` is, with dtype and shape for a tensor."""
     if isinstance(value, torch.Tensor):
         return f'a {value.dtype} tensor of shape {tuple(value.shape)}'
     return f'a {type(value).__name__}'

@@ -9,7 +9,7 @@ from mmengine.model import BaseModel
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .base_classifier import MODES
+from .base_classifier import MODES, describe_value
 from .data_preprocessor import build_data_preprocessor
 
 
@@ -254,11 +254,9 @@ class GPTDecoder(BaseModel):
     def _check_tokens(self, tokens, name: str) -> None:
         if (not isinstance(tokens, torch.Tensor) or tokens.dim() != 2
                 or tokens.dtype != torch.int64):
-            shape = getattr(tokens, 'shape', None)
             raise MmdtrError(
                 f'GPTDecoder {name} must be an int64 tensor of shape (N, T), '
-                f'got {type(tokens).__name__} {getattr(tokens, "dtype", "")} '
-                f'{tuple(shape) if shape is not None else ""}.')
+                f'got {describe_value(tokens)}.')
         if tokens.size(1) > self.max_seq_len:
             raise MmdtrError(
                 f'GPTDecoder {name} has {tokens.size(1)} tokens, more than '
