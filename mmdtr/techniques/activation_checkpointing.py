@@ -1,0 +1,371 @@
+"""Activation checkpointing of selected sub-modules (torch only).
+
+The forward of each selected module runs under
+:func:`torch.utils.checkpoint.checkpoint` with ``use_reentrant=False``: its
+intermediate activations are dropped after the forward and recomputed during
+the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
+(reentrant, positional arguments only):
+
+- keyword arguments pass through, and tensors given by keyword have their
+  device RNG state preserved like positional ones;
+- parameters get gradients even when no input requires grad (a backbone fed
+  images), which the reentrant variant silently skips;
+- a selective policy keeps the outputs of compute-heavy ops (matmuls,
+  convolutions, attention) and recomputes only the cheap ones, through
+  :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`;
+- normalization layers (BatchNorm, InstanceNorm with running stats) update
+  their running statistics once, in the forward; the recompute normalizes
+  with the same batch statistics but writes into throw-away copies of the
+  running buffers, so outputs, gradients and buffers are bit-identical to
+  the plain model;
+- it is DDP-safe: non-reentrant checkpointing runs the recompute inside the
+  autograd graph of the outer backward, so DDP's gradient hooks fire once
+  per parameter as usual.
+"""
+import functools
+from contextlib import ExitStack, nullcontext
+from typing import (Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple,
+                    Union)
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from mmdtr.errors import MmdtrError
+from .module_selection import closest_names, outermost, resolve_modules
+
+#: Named selective policies: the aten ops whose outputs are kept.
+POLICIES: Dict[str, Tuple[str, ...]] = {
+    'save_compute_heavy': ('mm', 'addmm', 'bmm', 'baddbmm', 'convolution',
+                           '_scaled_dot_product_flash_attention',
+                           '_scaled_dot_product_flash_attention_for_cpu',
+                           '_scaled_dot_product_efficient_attention',
+                           '_scaled_dot_product_cudnn_attention'),
+    'save_matmuls': ('mm', 'addmm', 'bmm', 'baddbmm'),
+    'save_convolutions': ('convolution', ),
+    'recompute_all': (),
+}
+
+_ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
+_POLICY_ATTR = '_mmdtr_ckpt_policy'
+
+
+def _op_name_candidates() -> List[str]:
+    try:
+        names = torch._C._dispatch_get_all_op_names()
+    except AttributeError:  # pragma: no cover - private API moved
+        return []
+    return sorted({
+        name[len('aten::'):].split('.')[0]
+        for name in names if name.startswith('aten::')
+    })
+
+
+def _bad_policy(policy, why: str, close: Sequence[str] = ()) -> MmdtrError:
+    extra = f' Closest aten ops: {list(close)}.' if close else ''
+    return MmdtrError(
+        f'activation_checkpointing policy={policy!r} is not accepted: {why}.'
+        f'{extra} Accepted: None, one of {sorted(POLICIES)}, or a list of '
+        "aten op names such as ['mm', 'aten.convolution', 'aten::bmm'].",
+        hint="use policy='save_compute_heavy' to keep matmul/conv outputs.")
+
+
+def _canonical_op(name: str, policy) -> str:
+    """Return ``'aten.<op>'`` or ``'aten.<op>.<overload>'`` for ``name``."""
+    text = name.strip()
+    for prefix in ('torch.ops.', 'aten::', 'aten.'):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = text.replace('::', '.')
+    if text.startswith('aten.'):
+        text = text[len('aten.'):]
+    parts = text.split('.')
+    if not text or len(parts) > 2 or not all(parts):
+        raise _bad_policy(policy, f'{name!r} is not an aten op name')
+    packet = getattr(torch.ops.aten, parts[0], None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise _bad_policy(policy, f'{name!r} is not an aten op',
+                          closest_names(parts[0], _op_name_candidates()))
+    if len(parts) == 2 and parts[1] not in packet.overloads():
+        raise _bad_policy(
+            policy, f'aten.{parts[0]} has no overload {parts[1]!r} '
+            f'(overloads: {packet.overloads()})')
+    return 'aten.' + '.'.join(parts)
+
+
+def normalize_policy(policy: Union[None, str, Sequence[str]]
+                     ) -> Optional[Tuple[str, ...]]:
+    """Validate a selective policy and return its canonical op names.
+
+    Args:
+        policy (None | str | Sequence[str]): ``None`` or ``'recompute_all'``
+            (plain checkpointing: recompute every op), a name of
+            :data:`POLICIES`, or a list of aten op names (``'mm'``,
+            ``'aten.mm'``, ``'aten::mm'``, ``'aten.mm.default'``) whose
+            outputs are kept.
+
+    Returns:
+        tuple[str] | None: Sorted canonical names (``'aten.mm'``), or
+        ``None`` for plain checkpointing.
+
+    Raises:
+        MmdtrError: If the policy or an op name is unknown.
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            close = closest_names(policy, sorted(POLICIES))
+            raise _bad_policy(
+                policy, 'unknown policy name' +
+                (f' (closest: {close})' if close else ''))
+        names = [
+            name for name in POLICIES[policy] if hasattr(torch.ops.aten, name)
+        ]
+    elif (isinstance(policy, (list, tuple)) and policy
+          and all(isinstance(name, str) for name in policy)):
+        names = list(policy)
+    else:
+        raise _bad_policy(policy, 'expected a str or a non-empty list of '
+                          'str')
+    if not names:
+        return None
+    return tuple(sorted({_canonical_op(name, policy) for name in names}))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_ops(names: Tuple[str, ...]) -> FrozenSet[object]:
+    ops = set()
+    for name in names:
+        parts = name.split('.')[1:]
+        op = getattr(torch.ops.aten, parts[0])
+        ops.add(getattr(op, parts[1]) if len(parts) == 2 else op)
+    return frozenset(ops)
+
+
+class _SavePolicy:
+    """SAC policy: keep the outputs of ``ops``, recompute everything else."""
+
+    def __init__(self, ops: FrozenSet[object]):
+        self.ops = ops
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in self.ops or getattr(op, 'overloadpacket', None) in self.ops:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _RunningStatsGuard:
+    """During the recompute, give norm layers throw-away running buffers.
+
+    A norm layer in training mode normalizes with batch statistics and
+    updates its running buffers in place. The recompute must produce the
+    same output and save the same number of tensors for backward, but must
+    not update the buffers a second time; so each buffer is swapped for a
+    clone while the recompute runs and restored afterwards. Re-entrant, so
+    a ``retain_graph=True`` double backward works too.
+
+    Args:
+        norms (list[_NormBase]): The norm layers that track running stats
+            and were in training mode during the forward.
+    """
+
+    _BUFFERS = ('running_mean', 'running_var', 'num_batches_tracked')
+
+    def __init__(self, norms: List[_NormBase]):
+        self.norms = norms
+        self._stack: List[list] = []
+
+    def __enter__(self) -> '_RunningStatsGuard':
+        saved = []
+        for norm in self.norms:
+            for name in self._BUFFERS:
+                buffer = getattr(norm, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    saved.append((norm, name, buffer))
+                    setattr(norm, name, buffer.clone())
+        self._stack.append(saved)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for norm, name, buffer in self._stack.pop():
+            setattr(norm, name, buffer)
+
+
+class _RecomputeContext:
+    """The running-stats guard plus, if selective, SAC's recompute mode."""
+
+    def __init__(self, guard: _RunningStatsGuard, sac_context):
+        self.guard = guard
+        self.sac_context = sac_context
+        self._stacks: List[ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = ExitStack()
+        stack.enter_context(self.guard)
+        stack.enter_context(self.sac_context)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc_info) -> None:
+        self._stacks.pop().__exit__(*exc_info)
+
+
+def _tracking_norms(module: nn.Module) -> List[_NormBase]:
+    return [
+        m for m in module.modules() if isinstance(m, _NormBase) and m.training
+        and m.track_running_stats and m.running_mean is not None
+    ]
+
+
+def _context_fn(module: nn.Module,
+                policy: Optional[Tuple[str, ...]]) -> Tuple[object, object]:
+    if policy:
+        fwd, recompute = create_selective_checkpoint_contexts(
+            _SavePolicy(_resolve_ops(policy)))
+    else:
+        fwd, recompute = nullcontext(), nullcontext()
+    guard = _RunningStatsGuard(_tracking_norms(module))
+    return fwd, _RecomputeContext(guard, recompute)
+
+
+def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
+                      *inputs):
+    args, values = inputs[:num_args], inputs[num_args:]
+    return forward(*args, **dict(zip(keys, values)))
+
+
+def _inner_forward(module: nn.Module) -> Callable:
+    inner = module.__dict__.get(_ORIG_FORWARD)
+    if inner is not None:
+        return inner
+    return type(module).forward.__get__(module)
+
+
+def checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The forward installed on checkpointed modules (bound per module).
+
+    Keyword arguments are passed to :func:`checkpoint` positionally (their
+    names are kept aside), so they cannot clash with checkpoint's own
+    options and their tensors count for RNG-state preservation.
+    """
+    inner = _inner_forward(self)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    keys = tuple(kwargs)
+    run = functools.partial(_call_with_kwargs, inner, len(args), keys)
+    context_fn = functools.partial(_context_fn, self,
+                                   getattr(self, _POLICY_ATTR, None))
+    return checkpoint(
+        run,
+        *args,
+        *kwargs.values(),
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=context_fn)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether mmdtr's activation checkpointing wraps ``module``."""
+    forward = module.__dict__.get('forward')
+    return getattr(forward, '__func__', None) is checkpointed_forward
+
+
+def replace_forward(module: nn.Module, forward: Callable) -> None:
+    """Install ``forward`` on ``module``, beneath the checkpoint if any.
+
+    Other techniques that replace a module's forward (e.g. the torch.fx
+    trace of ``efficient_conv_bn_eval``) use this so that a checkpointed
+    module stays checkpointed and runs the new forward inside.
+
+    Args:
+        module (nn.Module): The module.
+        forward (Callable): Its new forward.
+    """
+    if is_checkpointed(module):
+        setattr(module, _ORIG_FORWARD, forward)
+    else:
+        module.forward = forward
+
+
+def _traced_graph(module: nn.Module) -> Optional[torch.fx.Graph]:
+    """The graph of ``module``'s forward if a torch.fx trace replaced it."""
+    forward = module.__dict__.get(_ORIG_FORWARD,
+                                  module.__dict__.get('forward'))
+    owner = getattr(forward, '__self__', None)
+    return owner.graph if isinstance(owner, torch.fx.GraphModule) else None
+
+
+def _inlined_by(model: nn.Module, name: str) -> Optional[str]:
+    """Name of the fx-traced ancestor that inlines ``name``, else None."""
+    parts = name.split('.')
+    for i in range(len(parts) - 1, -1, -1):
+        ancestor = '.'.join(parts[:i])
+        graph = _traced_graph(model.get_submodule(ancestor))
+        if graph is None:
+            continue
+        called = {n.target for n in graph.nodes if n.op == 'call_module'}
+        rest = parts[i:]
+        if any('.'.join(rest[:j]) in called for j in range(1, len(rest) + 1)):
+            return _inlined_by(model, ancestor) if ancestor else None
+        return ancestor
+    return None
+
+
+def apply_activation_checkpointing(model: nn.Module,
+                                   modules: Union[str, Sequence[str]],
+                                   policy: Union[None, str,
+                                                 Sequence[str]] = None
+                                   ) -> List[str]:
+    """Checkpoint the forward of the sub-modules of ``model`` named.
+
+    All names and the policy are validated before any module is changed.
+    When both a module and one of its descendants are selected, only the
+    outer one is wrapped. Applying again to a wrapped module updates its
+    policy. Apply ``efficient_conv_bn_eval`` first when combining the two.
+
+    Args:
+        model (nn.Module): The model (unwrap DDP first: pass ``.module``).
+        modules (str | Sequence[str]): Sub-module names or glob patterns on
+            ``model.named_modules()``, e.g. ``'backbone.layer*'``.
+        policy (None | str | Sequence[str]): Selective policy, see
+            :func:`normalize_policy`. ``None`` recomputes everything.
+
+    Returns:
+        list[str]: Names of the modules wrapped, in model order.
+
+    Raises:
+        MmdtrError: On an unknown name, pattern, policy or op, or when a
+            selected module sits inside a module whose forward was replaced
+            by a torch.fx trace (its own forward would never be called).
+
+    Examples:
+        >>> apply_activation_checkpointing(model, 'backbone.layer*')
+        ['backbone.layer1', 'backbone.layer2', ...]
+        >>> apply_activation_checkpointing(
+        ...     model, ['backbone.layer3'], policy='save_compute_heavy')
+        ['backbone.layer3']
+    """
+    ops = normalize_policy(policy)
+    found = resolve_modules(model, modules, key='activation_checkpointing')
+    names = outermost(list(found))
+    for name in names:
+        ancestor = _inlined_by(model, name)
+        if ancestor is not None:
+            where = repr(ancestor) if ancestor else 'the model'
+            raise MmdtrError(
+                f'activation_checkpointing: module {name!r} lies inside '
+                f'{where}, whose forward was replaced by a torch.fx trace '
+                '(efficient_conv_bn_eval) that inlines it, so it cannot be '
+                'checkpointed. Accepted: modules the trace calls as '
+                'modules, or the traced module itself.',
+                hint=f'checkpoint {where} instead.')
+    for name in names:
+        module = found[name]
+        if not is_checkpointed(module):
+            if 'forward' in module.__dict__:
+                setattr(module, _ORIG_FORWARD, module.__dict__['forward'])
+            module.forward = checkpointed_forward.__get__(module)
+        setattr(module, _POLICY_ATTR, ops)
+    return names
