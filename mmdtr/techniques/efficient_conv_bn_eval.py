@@ -1,0 +1,252 @@
+"""Efficient Conv-BN eval: fold eval-mode BatchNorm into its conv (torch only).
+
+When a BatchNorm in eval mode (frozen statistics, e.g. ``norm_eval=True``
+in detection backbones) follows a convolution, ``bn(conv(x))`` equals a
+single convolution with a rescaled weight and a shifted bias ("Tune-Mode
+ConvBN Blocks For Efficient Transfer Learning", arXiv:2305.11624). The
+fused form does not keep the conv output for the BatchNorm's backward, so
+each fused pair saves one activation of memory during training, and the
+gradients of the conv weight and the BN affine parameters are unchanged up
+to floating-point rounding. In training mode the fused function falls back
+to ``bn(conv(x))``, so switching modes stays correct.
+
+This module finds the pairs and rewires the graph; the fused computation
+itself is supplied by the caller (the MMEngine adapter passes
+``mmengine.model.efficient_conv_bn_eval.efficient_conv_bn_eval_control``),
+and so is ``native``, which turns on a module type's own support (mmcv's
+``ConvModule.turn_on_efficient_conv_bn_eval``). Pairs are found with
+``torch.fx``: a traced module gets the traced forward. Tracing fails on
+data-dependent Python control flow; then the children are traced one by one
+and the failure is reported.
+
+Compared with MMEngine's ``efficient_conv_bn_eval_graph_transform`` the pair
+search here skips (instead of raising ``KeyError`` on) BatchNorms whose input
+is not a module call (a BN on the input, after an add or a concat), skips
+transposed convolutions (whose weight layout the fused form does not handle)
+and BatchNorms without running statistics, and treats modules wrapped by
+activation checkpointing as leaves so their checkpoint stays in place.
+"""
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from .activation_checkpointing import is_checkpointed, replace_forward
+from .module_selection import outermost, resolve_modules
+
+#: ``fused(bn, conv, x) -> Tensor``: ``bn(conv(x))`` in the fused form.
+FusedForward = Callable[[_BatchNorm, _ConvNd, torch.Tensor], torch.Tensor]
+#: ``native(module) -> bool``: enable a module's own support, True if done.
+NativeSupport = Callable[[nn.Module], bool]
+
+
+@dataclass
+class ConvBnEvalResult:
+    """What :func:`apply_efficient_conv_bn_eval` did to one module.
+
+    Args:
+        name (str): The selected module's name.
+        fused_pairs (int): Conv+BN pairs rewired in torch.fx traces.
+        native_modules (int): Sub-modules whose own support was turned on.
+        traced (list[str]): Modules whose forward is now a trace.
+        failures (list[tuple[str, str]]): ``(module name, reason)`` for each
+            module whose tracing failed.
+    """
+
+    name: str
+    fused_pairs: int = 0
+    native_modules: int = 0
+    traced: List[str] = field(default_factory=list)
+    failures: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether at least one Conv+BN pair runs in the fused form."""
+        return bool(self.fused_pairs or self.native_modules)
+
+
+class _ConvBnTracer(fx.Tracer):
+    """A tracer keeping natively supported and checkpointed modules whole."""
+
+    def __init__(self, leaves: Set[int]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return (id(m) in self.leaves or is_checkpointed(m)
+                or super().is_leaf_module(m, qualified_name))
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A torch.nn layer with its own forward (not a bare container)."""
+    return (type(module).forward is not nn.Module.forward
+            and fx.Tracer().is_leaf_module(module, ''))
+
+
+def _fusable_conv(module: Optional[nn.Module]) -> bool:
+    return isinstance(module, _ConvNd) and not module.transposed
+
+
+def _fusable_bn(module: Optional[nn.Module]) -> bool:
+    return (isinstance(module, _BatchNorm) and module.track_running_stats
+            and module.running_var is not None)
+
+
+def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:
+    """Find ``bn(conv(x))`` call pairs whose conv output has no other user.
+
+    Args:
+        gm (fx.GraphModule): A traced module.
+
+    Returns:
+        list[tuple[fx.Node, fx.Node]]: ``(conv node, bn node)`` pairs.
+    """
+    modules = dict(gm.named_modules())
+    pairs = []
+    for node in gm.graph.nodes:
+        if (node.op != 'call_module' or len(node.args) != 1 or node.kwargs
+                or not _fusable_bn(modules.get(node.target))):
+            continue
+        source = node.args[0]
+        if (isinstance(source, fx.Node) and source.op == 'call_module'
+                and len(source.args) == 1 and not source.kwargs
+                and len(source.users) == 1
+                and _fusable_conv(modules.get(source.target))):
+            pairs.append((source, node))
+    return pairs
+
+
+def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
+    """Replace each Conv+BN pair of ``gm`` by ``fused(bn, conv, x)``.
+
+    Args:
+        gm (fx.GraphModule): A traced module, changed in place.
+        fused (FusedForward): The fused computation.
+
+    Returns:
+        int: The number of pairs replaced.
+    """
+    pairs = find_conv_bn_pairs(gm)
+    graph = gm.graph
+    for conv_node, bn_node in pairs:
+        with graph.inserting_before(conv_node):
+            conv = graph.get_attr(conv_node.target)
+            bn = graph.get_attr(bn_node.target)
+            node = graph.call_function(fused, (bn, conv, conv_node.args[0]))
+        bn_node.replace_all_uses_with(node)
+        graph.erase_node(bn_node)
+        graph.erase_node(conv_node)
+    if pairs:
+        graph.lint()
+        gm.recompile()
+    return len(pairs)
+
+
+def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
+                    leaves: Set[int], result: ConvBnEvalResult) -> None:
+    tracer = _ConvBnTracer(leaves)
+    try:
+        if type(module).forward is nn.Module.forward:
+            graph = None  # a plain container: trace its children
+        else:
+            graph = tracer.trace(module)
+    except Exception as exc:  # any trace failure: report, trace children
+        first_line = (str(exc).strip().splitlines() or [''])[0]
+        result.failures.append(
+            (name, f'torch.fx tracing failed ({type(exc).__name__}: '
+             f'{first_line})'))
+        graph = None
+    if graph is None:
+        for child_name, child in module.named_children():
+            if id(child) not in leaves and not _is_layer(child):
+                _trace_and_fuse(child, f'{name}.{child_name}', fused, leaves,
+                                result)
+        return
+    gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    count = fuse_conv_bn_pairs(gm, fused)
+    if count:
+        replace_forward(module, gm.forward)
+        result.fused_pairs += count
+        result.traced.append(name)
+
+
+def _explain(result: ConvBnEvalResult) -> Optional[str]:
+    failed = '; '.join(f'{name!r}: {why}' for name, why in result.failures[:3])
+    if len(result.failures) > 3:
+        failed += f'; and {len(result.failures) - 3} more'
+    if not result.enabled:
+        why = failed or (
+            'its trace has no Conv (not transposed) whose output feeds only '
+            'a BatchNorm with running statistics')
+        return ('efficient_conv_bn_eval: no Conv+BN pair was fused in '
+                f'module {result.name!r}, it runs unchanged. Why: {why}.')
+    if failed:
+        return (f'efficient_conv_bn_eval: module {result.name!r} is only '
+                'partly fused; Conv+BN pairs run unfused in parts that could '
+                f'not be traced. Why: {failed}.')
+    return None
+
+
+def apply_efficient_conv_bn_eval(model: nn.Module,
+                                 modules: Union[str, Sequence[str]],
+                                 fused: FusedForward,
+                                 native: Optional[NativeSupport] = None
+                                 ) -> List[ConvBnEvalResult]:
+    """Fuse eval-mode Conv+BN pairs inside the named sub-modules.
+
+    Every name is checked before anything changes. Sub-modules for which
+    ``native`` returns True keep their own support and are not traced
+    through. A ``UserWarning`` names each selected module left unfused, or
+    partly fused, and says why. Apply this before activation checkpointing
+    when combining the two (checkpointed modules are kept whole).
+
+    Args:
+        model (nn.Module): The model (unwrap DDP first: pass ``.module``).
+        modules (str | Sequence[str]): Sub-module names or glob patterns on
+            ``model.named_modules()``, e.g. ``'backbone'``.
+        fused (FusedForward): ``fused(bn, conv, x)``, e.g. MMEngine's
+            ``efficient_conv_bn_eval_control``.
+        native (NativeSupport, optional): Turns on a module's own support;
+            returns whether it did.
+
+    Returns:
+        list[ConvBnEvalResult]: One per selected (outermost) module.
+
+    Raises:
+        MmdtrError: If a name or pattern matches no sub-module.
+
+    Examples:
+        >>> from mmengine.model.efficient_conv_bn_eval import \\
+        ...     efficient_conv_bn_eval_control
+        >>> apply_efficient_conv_bn_eval(
+        ...     model, ['backbone'], efficient_conv_bn_eval_control)
+    """
+    found = resolve_modules(model, modules, key='efficient_conv_bn_eval')
+    results = []
+    for name in outermost(list(found)):
+        module = found[name]
+        result = ConvBnEvalResult(name)
+        leaves = set()
+        if native is not None:
+            for sub in module.modules():
+                if native(sub):
+                    leaves.add(id(sub))
+        result.native_modules = len(leaves)
+        if id(module) in leaves:
+            pass
+        elif _is_layer(module):
+            result.failures.append(
+                (name, f'it is a single layer ({type(module).__name__}), '
+                 'not a module containing Conv+BN pairs'))
+        else:
+            _trace_and_fuse(module, name, fused, leaves, result)
+        message = _explain(result)
+        if message:
+            warnings.warn(message, UserWarning, stacklevel=2)
+        results.append(result)
+    return results

@@ -1,0 +1,210 @@
+"""Efficient Conv-BN eval: same results with frozen BN, less memory."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from mmengine.model.efficient_conv_bn_eval import \
+    efficient_conv_bn_eval_control as fused
+
+from mmdtr.errors import MmdtrError
+from mmdtr.techniques.activation_checkpointing import (
+    apply_activation_checkpointing, is_checkpointed)
+from mmdtr.techniques.efficient_conv_bn_eval import (
+    apply_efficient_conv_bn_eval, find_conv_bn_pairs)
+from mmdtr.utils.profiler_memory import measure_peak_memory
+
+
+def _cbr(cin, cout):
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class Chain(nn.Module):
+    """A Conv-BN-ReLU chain, with a BN after an add and a transposed conv."""
+
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.bn_in = nn.BatchNorm2d(3)
+        self.layers = nn.Sequential(
+            _cbr(3, width), *[_cbr(width, width) for _ in range(depth - 1)])
+        self.up = nn.ConvTranspose2d(width, width, 2, stride=2)
+        self.bn_up = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        x = self.layers(self.bn_in(x + 1))  # BN fed by an add, not a module
+        x = self.bn_up(self.up(x))  # transposed: must stay unfused
+        return self.head(x.mean((2, 3)))
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = _cbr(3, 4)
+        self.b = _cbr(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.sum() > 0:
+            x = self.b(x)
+        return x
+
+
+def _frozen(model):
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    model.train()
+    for m in model.modules():  # frozen BN, weights training (norm_eval)
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    return model
+
+
+def _step(model, x):
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach()
+
+
+def _assert_close(plain, fused_model, x):
+    out_plain = _step(plain, x)
+    out_fused = _step(fused_model, x)
+    assert torch.allclose(out_plain, out_fused, rtol=1e-4, atol=1e-6)
+    for (name, p), (_, q) in zip(plain.named_parameters(),
+                                 fused_model.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-6), name
+    for (name, p), (_, q) in zip(plain.named_buffers(),
+                                 fused_model.named_buffers()):
+        assert torch.equal(p, q), name
+
+
+def test_outputs_and_gradients_match_with_frozen_bn():
+    torch.manual_seed(0)
+    plain = _frozen(Chain())
+    model = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # fully fused: no warning
+        (result, ) = apply_efficient_conv_bn_eval(model, ['layers'], fused)
+    assert result.fused_pairs == 4 and result.traced == ['layers']
+    x = torch.randn(4, 3, 16, 16)
+    _assert_close(plain, model, x)
+
+
+def test_pairs_skip_transposed_conv_and_non_module_inputs():
+    model = Chain()
+    gm = torch.fx.symbolic_trace(model)
+    pairs = [(c.target, b.target) for c, b in find_conv_bn_pairs(gm)]
+    assert pairs == [(f'layers.{i}.0', f'layers.{i}.1') for i in range(4)]
+
+
+def test_training_mode_bn_falls_back_bit_identical():
+    torch.manual_seed(0)
+    plain = Chain().train()
+    model = copy.deepcopy(plain)
+    apply_efficient_conv_bn_eval(model, 'layers', fused)
+    x = torch.randn(4, 3, 8, 8)
+    assert torch.equal(_step(plain, x), _step(model, x))
+    for (name, p), (_, q) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(p, q), name  # running stats updated the same
+
+
+def test_memory_drops_by_a_fifth():
+    torch.manual_seed(0)
+    plain = _frozen(Chain(width=16, depth=6))
+    model = copy.deepcopy(plain)
+    apply_efficient_conv_bn_eval(model, 'layers', fused)
+    x = torch.randn(8, 3, 32, 32)
+    _, peak_plain = measure_peak_memory(_step, plain, x)
+    _, peak_fused = measure_peak_memory(_step, model, x)
+    assert peak_fused <= 0.8 * peak_plain  # measured: 0.69
+
+
+def test_unknown_name_raises_with_closest():
+    with pytest.raises(MmdtrError) as info:
+        apply_efficient_conv_bn_eval(Chain(), ['layers', 'layer'], fused)
+    text = str(info.value)
+    assert text.startswith('mmdtr: efficient_conv_bn_eval:')
+    assert "'layer'" in text and "closest matches: ['layers'" in text
+
+
+def test_warnings_name_the_module_and_why():
+    model = Chain()
+    with pytest.warns(UserWarning) as record:
+        results = apply_efficient_conv_bn_eval(model, ['head', 'bn_up'], fused)
+    messages = [str(w.message) for w in record]
+    assert [r.name for r in results] == ['bn_up', 'head']  # model order
+    assert not any(r.enabled for r in results)
+    assert any("in module 'head'" in m and 'single layer (Linear)' in m
+               for m in messages)
+    assert any("in module 'bn_up'" in m for m in messages)
+    with pytest.warns(UserWarning, match='its trace has no Conv'):
+        apply_efficient_conv_bn_eval(
+            nn.Sequential(nn.Sequential(nn.Linear(2, 2))), '0', fused)
+
+
+def test_trace_failure_falls_back_to_children():
+    torch.manual_seed(0)
+    plain = _frozen(nn.Sequential(Branchy()))
+    model = copy.deepcopy(plain)
+    with pytest.warns(UserWarning) as record:
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    message = str(record[0].message)
+    assert "module '0' is only partly fused" in message
+    assert 'TraceError' in message and 'control flow' in message
+    assert result.traced == ['0.a', '0.b'] and result.fused_pairs == 2
+    _assert_close(plain, model, torch.randn(2, 3, 8, 8))
+
+
+def test_native_support_is_kept_whole():
+    model = Chain()
+    native = [model.layers[1]]
+
+    def support(module):
+        return module in native
+
+    (result, ) = apply_efficient_conv_bn_eval(model, 'layers', fused, support)
+    assert result.native_modules == 1
+    assert result.fused_pairs == 3  # layers.1 is a leaf of the trace
+
+
+def test_then_checkpointing_is_bit_identical_to_fused_alone():
+    torch.manual_seed(0)
+    fused_only = _frozen(Chain())
+    apply_efficient_conv_bn_eval(fused_only, 'layers', fused)
+    both = copy.deepcopy(fused_only)
+    assert apply_activation_checkpointing(both, 'layers') == ['layers']
+    assert is_checkpointed(both.layers)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(_step(fused_only, x), _step(both, x))
+    for p, q in zip(fused_only.parameters(), both.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(MmdtrError, match="inside 'layers', whose forward"):
+        apply_activation_checkpointing(both, 'layers.1')
+
+
+@pytest.mark.parametrize('order', ['child first', 'same module first'])
+def test_checkpointing_first_keeps_checkpoints(order):
+    torch.manual_seed(0)
+    plain = _frozen(Chain())
+    model = copy.deepcopy(plain)
+    if order == 'child first':
+        apply_activation_checkpointing(model, 'layers.0')
+        (result, ) = apply_efficient_conv_bn_eval(model, 'layers', fused)
+        assert result.fused_pairs == 3  # the checkpointed child is a leaf
+        assert is_checkpointed(model.layers[0])
+        apply_activation_checkpointing(model, 'layers')
+    else:
+        apply_activation_checkpointing(model, 'layers')
+        (result, ) = apply_efficient_conv_bn_eval(model, 'layers', fused)
+        assert result.fused_pairs == 4  # the trace runs inside checkpoint
+    assert is_checkpointed(model.layers)
+    _assert_close(plain, model, torch.randn(2, 3, 8, 8))
