@@ -6,3 +6,5 @@ from . import config_translation  # noqa: F401
 from . import checkpoint_loading  # noqa: F401
 from . import distributed  # noqa: F401
 from . import runner  # noqa: F401
+from . import activation_checkpointing_hook  # noqa: F401
+from . import conv_bn_eval_hook  # noqa: F401

@@ -1,0 +1,186 @@
+"""The efficient_conv_bn_eval key and EfficientConvBnEvalHook."""
+import copy
+import glob
+import os.path as osp
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmcv.cnn import ConvModule
+from mmengine.config import Config
+from mmengine.logging import MMLogger
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from mmengine.runner import Runner
+from torch.utils.data import Dataset
+
+from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.adapters.conv_bn_eval_hook import (EfficientConvBnEvalHook,
+                                              mmcv_conv_module_support,
+                                              translate_efficient_conv_bn_eval)
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import HOOKS
+
+
+@MODELS.register_module(force=True)
+class ConvBnHookToyNet(BaseModel):
+    """Plain Conv+BN pairs and mmcv ConvModules; BN frozen (norm_eval)."""
+
+    def __init__(self, norm_eval=True):
+        super().__init__()
+        self.norm_eval = norm_eval
+        self.backbone = nn.Module()
+        self.backbone.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.backbone.layer1 = nn.Sequential(
+            ConvModule(8, 8, 3, padding=1, norm_cfg=dict(type='BN')),
+            ConvModule(8, 8, 3, padding=1, norm_cfg=dict(type='BN')))
+        self.head = nn.Linear(8, 2)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):  # "pretrained" statistics
+                m.running_var.fill_(2.0)
+                m.running_mean.fill_(0.1)
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+        return self
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        x = self.backbone.layer1(self.backbone.stem(inputs))
+        logits = self.head(x.mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, labels))
+        return logits
+
+
+@DATASETS.register_module(force=True)
+class ConvBnHookToyImages(Dataset):
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return dict(inputs=torch.randn(3, 8, 8, generator=g), labels=i % 2)
+
+
+def make_cfg(work_dir, **kwargs):
+    cfg = dict(
+        model=dict(type='ConvBnHookToyNet'),
+        work_dir=str(work_dir),
+        experiment_name=f'cbe_{uuid.uuid4().hex}',
+        train_dataloader=dict(
+            dataset=dict(type='ConvBnHookToyImages'),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            batch_size=4,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=2),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        default_hooks=dict(checkpoint=None),
+        randomness=dict(seed=0),
+        log_level='INFO')
+    cfg.update(kwargs)
+    return Config(cfg)
+
+
+@pytest.mark.parametrize('value, modules', [('backbone', ['backbone']),
+                                            (('a', 'b.*'), ['a', 'b.*'])])
+def test_translate_accepted_forms(value, modules):
+    cfg = translate_efficient_conv_bn_eval(value)
+    assert cfg == dict(type='mmdtr.EfficientConvBnEvalHook', modules=modules)
+    assert isinstance(HOOKS.build(cfg), EfficientConvBnEvalHook)
+
+
+@pytest.mark.parametrize('value', [1, [], [''], dict(modules='a'), ['a', 1]])
+def test_translate_rejects(value):
+    with pytest.raises(MmdtrError) as info:
+        translate_efficient_conv_bn_eval(value)
+    assert str(info.value).startswith(
+        f'mmdtr: efficient_conv_bn_eval={value!r} is not accepted: '
+        'expected a module name or a non-empty list of module names')
+
+
+def test_mmcv_conv_module_support():
+    bn_module = ConvModule(2, 2, 1, norm_cfg=dict(type='BN'))
+    assert mmcv_conv_module_support(bn_module)
+    assert bn_module.efficient_conv_bn_eval_forward is not None
+    assert not mmcv_conv_module_support(ConvModule(2, 2, 1))  # no norm
+    assert not mmcv_conv_module_support(
+        ConvModule(2, 2, 1, norm_cfg=dict(type='GN', num_groups=1)))
+    assert not mmcv_conv_module_support(
+        ConvModule(
+            2, 2, 1, norm_cfg=dict(type='BN'), order=('norm', 'conv', 'act')))
+    assert not mmcv_conv_module_support(nn.Conv2d(2, 2, 1))
+
+
+def test_hook_matches_plain_and_logs(tmp_path):
+    cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone', 'head'])
+    runner = Runner.from_cfg(translate_memory_keys(cfg))
+    assert 'efficient_conv_bn_eval' not in runner.cfg  # not MMEngine's
+    plain = copy.deepcopy(runner.model)
+    runner.train()
+    (hook, ) = [
+        h for h in runner.hooks if isinstance(h, EfficientConvBnEvalHook)
+    ]
+    backbone, head = hook.results
+    assert backbone.fused_pairs == 2 and backbone.traced == ['backbone.stem']
+    assert backbone.native_modules == 2
+    assert not head.enabled
+    (log, ) = glob.glob(osp.join(runner.log_dir, '*.log'))
+    with open(log) as f:
+        text = f.read()
+    assert ('Enabling the "efficient_conv_bn_eval" feature for these '
+            "modules ['backbone', 'head']") in text
+    assert ("WARNING - efficient_conv_bn_eval: no Conv+BN pair was fused in "
+            "module 'head', it runs unchanged. Why: 'head': it is a single "
+            'layer (Linear)') in text
+    # the same two SGD steps without the feature
+    model = runner.model
+    plain.train()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    data = ConvBnHookToyImages()
+    for start in (0, 4):
+        batch = [data[i] for i in range(start, start + 4)]
+        inputs = torch.stack([b['inputs'] for b in batch])
+        labels = torch.tensor([b['labels'] for b in batch])
+        optimizer.zero_grad()
+        plain(inputs, labels, mode='loss')['loss'].backward()
+        optimizer.step()
+    for (name, p), (_, q) in zip(plain.named_parameters(),
+                                 model.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), name
+    for (name, p), (_, q) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(p, q), name
+
+
+def test_unknown_name_raises_on_train(tmp_path):
+    cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone.stm'])
+    runner = Runner.from_cfg(translate_memory_keys(cfg))
+    with pytest.raises(MmdtrError, match=r"closest matches: \['backbone"):
+        runner.train()
+
+
+def test_applies_once_and_before_val_or_test():
+    model = ConvBnHookToyNet().eval()
+    runner = SimpleNamespace(
+        model=model, logger=MMLogger.get_instance(f'cbe_{uuid.uuid4().hex}'))
+    hook = EfficientConvBnEvalHook('backbone.stem')
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    hook.before_val(runner)
+    (result, ) = hook.results
+    assert result.fused_pairs == 2
+    forward = model.backbone.stem.forward
+    hook.before_test(runner)
+    hook.before_train(runner)
+    assert model.backbone.stem.forward == forward  # not traced again
+    assert torch.allclose(model(x), expected, rtol=1e-4, atol=1e-6)
