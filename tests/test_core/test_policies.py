@@ -1,0 +1,92 @@
+"""Unit tests of the eviction policies on small synthetic graphs.
+
+No autograd and no engine: records are built by hand, and the policy is a
+pure function of a record and the clock.
+"""
+import pytest
+import torch
+
+from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
+                                 LargestFirstPolicy, LocalDTRPolicy,
+                                 LRUPolicy, build_policy)
+from mmdtr.core.records import OpNode, RecordRef, StorageRecord
+from mmdtr.errors import MmdtrError
+
+
+def record(nbytes, cost, last_access, resident=True):
+    rec = StorageRecord(nbytes, torch.device('cpu'), last_access)
+    rec.cost = cost
+    rec.cdata = 1 if resident else None
+    return rec
+
+
+def chain(*records):
+    """Link records as a chain a -> b -> c (b's recipe reads a, ...)."""
+    for a, b in zip(records, records[1:]):
+        b.add_inputs(OpNode(None, (RecordRef(a, 0, None), ), {}, b.cost))
+
+
+def test_dtr_prefers_cheap_large_stale_storages():
+    policy, clock = DTRPolicy(), 100
+    cheap = record(1000, 10.0, 90)
+    costly = record(1000, 1000.0, 90)
+    small = record(10, 10.0, 90)
+    fresh = record(1000, 10.0, 100)
+    scores = {n: policy.score(r, clock) for n, r in
+              dict(cheap=cheap, costly=costly, small=small,
+                   fresh=fresh).items()}
+    assert min(scores, key=scores.get) == 'cheap'
+    assert scores['cheap'] < scores['costly']
+    assert scores['cheap'] < scores['small']
+    assert scores['cheap'] < scores['fresh']
+
+
+def test_dtr_penalizes_storages_already_recomputed():
+    policy = DTRPolicy(recompute_penalty=1.0)
+    a, b = record(1000, 10.0, 0), record(1000, 10.0, 0)
+    b.remat_count = 3
+    assert policy.score(b, 10) == pytest.approx(4 * policy.score(a, 10))
+
+
+def test_evicted_neighbourhood_uses_union_find_classes():
+    a, b, c, d = (record(100, cost, 0) for cost in (1.0, 2.0, 4.0, 8.0))
+    chain(a, b, c, d)
+    assert c.evicted_neighborhood_cost() == 0
+    for rec in (b, d):  # evict b, then d: two separate classes around c
+        rec.cdata = None
+        rec.join_evicted_class()
+    assert c.evicted_neighborhood_cost() == 2.0 + 8.0
+    c.cdata = None
+    c.join_evicted_class()  # c joins b and d into one class
+    assert b.evicted_class.root() is d.evicted_class.root()
+    assert a.evicted_neighborhood_cost() == 2.0 + 4.0 + 8.0
+    local = LocalDTRPolicy()
+    assert local.score(a, 10) < DTRPolicy().score(a, 10)
+
+
+def test_lru_and_largest_first():
+    old, new = record(10, 1.0, 1), record(10, 1.0, 5)
+    assert LRUPolicy().score(old, 9) < LRUPolicy().score(new, 9)
+    big, small = record(1000, 1.0, 1), record(10, 1.0, 1)
+    assert LargestFirstPolicy().score(big, 9) < \
+        LargestFirstPolicy().score(small, 9)
+
+
+def test_policies_are_pure():
+    rec = record(1000, 10.0, 3)
+    before = (rec.nbytes, rec.cost, rec.last_access, rec.remat_count)
+    for cls in POLICIES.values():
+        cls().score(rec, 7)
+        cls().score(rec, 7)
+    assert (rec.nbytes, rec.cost, rec.last_access,
+            rec.remat_count) == before
+
+
+def test_build_policy_accepts_names_and_instances():
+    assert isinstance(build_policy('lru'), LRUPolicy)
+    custom = LargestFirstPolicy()
+    assert build_policy(custom) is custom
+    with pytest.raises(MmdtrError, match="policy='mru'"):
+        build_policy('mru')
+    with pytest.raises(NotImplementedError):
+        EvictionPolicy().score(record(1, 1.0, 0), 0)
