@@ -1,0 +1,221 @@
+"""In-place optimizer steps and per-parameter steps in the backward.
+
+The reference is a plain ``torch.optim`` optimizer stepping after the
+backward; every comparison is bit for bit (``torch.equal``).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from mmdtr.errors import MmdtrError
+from mmdtr.techniques.inplace_update import (PerParameterStepper, make_inplace,
+                                             raw_step, release_grads)
+from mmdtr.utils.profiler_memory import measure_peak_memory
+
+OPTIMIZERS = {
+    'sgd': (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    'sgd_nesterov':
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    'adamw': (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    'adam_amsgrad': (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+}
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output layer, and a branch that gets no grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.unused = nn.Linear(6, 6)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens))).logsumexp(-1).mean()
+
+
+def make_optimizer(model, name):
+    cls, kwargs = OPTIMIZERS[name]
+    groups = [
+        dict(params=list(model.body.parameters()), lr=kwargs['lr'] / 2),
+        dict(
+            params=[model.embed.weight] + list(model.unused.parameters()),
+            weight_decay=0.0),
+    ]
+    return cls(groups, **kwargs)
+
+
+def tokens(i):
+    return torch.randint(
+        0, 10, (4, 5), generator=torch.Generator().manual_seed(i))
+
+
+def train(name, in_backward, steps=4):
+    torch.manual_seed(0)
+    model = TiedNet()
+    optimizer = make_optimizer(model, name)
+    make_inplace(optimizer)
+    stepper = PerParameterStepper(optimizer) if in_backward else None
+    for i in range(steps):
+        for group in optimizer.param_groups:  # a scheduler's lr change
+            group['lr'] *= 0.9
+        if stepper is None:
+            model(tokens(i)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            stepper.begin()
+            model(tokens(i)).backward()
+            stepper.end()
+            assert all(p.grad is None for p in model.parameters())
+    return model, optimizer, stepper
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_step_in_backward_is_bit_identical(name):
+    ref, ref_opt, _ = train(name, in_backward=False)
+    model, opt, stepper = train(name, in_backward=True)
+    for (key, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), key
+    # the unused branch has no state, as with step()
+    assert model.unused.weight not in opt.state
+    # the tied weight stepped once per backward
+    if 'step' in opt.state[model.embed.weight]:
+        assert float(opt.state[model.embed.weight]['step']) == 4
+    # the last backward stepped the 5 parameters with a gradient (the tied
+    # one once)
+    assert stepper.steps_taken == 5
+    ref_state, state = ref_opt.state_dict(), opt.state_dict()
+    assert ref_state['param_groups'] == state['param_groups']
+    for k, v in ref_state['state'].items():
+        for key, tensor in v.items():
+            assert torch.equal(tensor, state['state'][k][key]), (k, key)
+
+
+def test_unused_branch_keeps_its_initial_values():
+    torch.manual_seed(0)
+    init = TiedNet()
+    model, _, _ = train('sgd', in_backward=True)
+    assert torch.equal(model.unused.weight, init.unused.weight)
+    assert not torch.equal(model.body[0].weight, init.body[0].weight)
+
+
+def test_hooks_act_only_between_begin_and_end():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = PerParameterStepper(optimizer)
+    before = copy.deepcopy(model)
+    model(torch.ones(1, 3)).sum().backward()
+    assert model.weight.grad is not None
+    assert torch.equal(model.weight, before.weight)
+    stepper.begin()
+    model(torch.ones(1, 3)).sum().backward()
+    stepper.end()
+    assert not torch.equal(model.weight, before.weight)
+    assert model.weight.grad is None
+    stepper.remove()
+    assert not model.weight._post_accumulate_grad_hooks
+
+
+def test_per_parameter_steps_skip_step_hooks():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    optimizer.register_step_post_hook(lambda *args: calls.append(1))
+    stepper = PerParameterStepper(optimizer)
+    stepper.begin()
+    model(torch.ones(1, 3)).sum().backward()
+    stepper.end()
+    assert stepper.steps_taken == 2 and calls == []
+    optimizer.step()  # no gradient left: only the hooks run
+    assert calls == [1]
+    assert raw_step(optimizer) is not type(optimizer).step
+
+
+def test_clip_value_matches_clip_grad_value():
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 4) * 10
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).square().sum().backward()
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5)
+    ref_opt.step()
+    stepper = PerParameterStepper(
+        torch.optim.SGD(model.parameters(), lr=0.1), clip_value=0.5)
+    stepper.begin()
+    model(x).square().sum().backward()
+    stepper.end()
+    assert torch.equal(ref.weight, model.weight)
+    assert torch.equal(ref.bias, model.bias)
+
+
+def test_partial_gradient_is_refused():
+    # reentrant checkpointing runs an inner backward per segment, so a
+    # weight shared by two segments gets its gradient in two pieces
+    shared = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(shared.parameters(), lr=0.1)
+    stepper = PerParameterStepper(optimizer)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(shared, x, use_reentrant=True)
+    z = checkpoint(shared, y, use_reentrant=True)
+    stepper.begin()
+    with pytest.raises(MmdtrError, match='received its gradient twice'):
+        z.sum().backward()
+
+
+def test_lbfgs_is_refused():
+    optimizer = torch.optim.LBFGS(nn.Linear(2, 2).parameters())
+    with pytest.raises(MmdtrError, match='LBFGS'):
+        PerParameterStepper(optimizer)
+
+
+def test_make_inplace_sets_foreach_false_and_keeps_fused():
+    params = list(nn.Linear(3, 3).parameters())
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    make_inplace(optimizer)
+    assert optimizer.defaults['foreach'] is False
+    assert all(g['foreach'] is False for g in optimizer.param_groups)
+    fused = torch.optim.AdamW(params, lr=0.1, fused=True)
+    make_inplace(fused)
+    assert fused.param_groups[0]['fused'] is True
+    with pytest.raises(MmdtrError, match='foreach=True'):
+        make_inplace(torch.optim.SGD(params, lr=0.1, foreach=True))
+
+
+def test_release_grads():
+    model = nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    release_grads(optimizer)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize('name', ['sgd', 'adamw'])
+def test_inplace_step_allocates_no_copy_of_the_parameter_list(name):
+    """A foreach step allocates copies of the whole list; the loop does not."""
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    peaks = {}
+    for foreach in (True, False):
+        optimizer = cls(model.parameters(), foreach=foreach, **kwargs)
+        if not foreach:
+            make_inplace(optimizer)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # allocate the state outside the measurement
+        _, peaks[foreach] = measure_peak_memory(optimizer.step)
+    print(f'{name} step peak: foreach {peaks[True]} B, in place '
+          f'{peaks[False]} B; parameters {param_bytes} B')
+    # the loop's temporaries are one parameter's (AdamW: sqrt and division
+    # of the second moment, two at once), never the whole list's
+    assert peaks[False] <= 2 * largest + 4096
+    assert peaks[True] - peaks[False] >= 0.6 * param_bytes
