@@ -2,28 +2,42 @@
 
 Components registered here are reachable from a config either through
 ``custom_imports=dict(imports=['mmdtr'])`` and their plain name, or through
-the scoped name ``'mmdtr.Name'``.
+the scoped name ``'mmdtr.Name'``. Every MMEngine root registry has a child
+here, so a config with ``default_scope='mmdtr'`` finds MMEngine's own
+components (loops, optimizers, visualizers, ...) without warnings.
 """
-from mmengine.registry import DATASETS as MMENGINE_DATASETS
-from mmengine.registry import HOOKS as MMENGINE_HOOKS
-from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
-from mmengine.registry import MODELS as MMENGINE_MODELS
-from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
-from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine import registry as mmengine_registry
 from mmengine.registry import Registry
 
-HOOKS = Registry(
-    'hook', parent=MMENGINE_HOOKS, locations=['mmdtr.adapters'])
-MODEL_WRAPPERS = Registry(
-    'model_wrapper',
-    parent=MMENGINE_MODEL_WRAPPERS,
-    locations=['mmdtr.adapters'])
-OPTIM_WRAPPERS = Registry(
-    'optim_wrapper',
-    parent=MMENGINE_OPTIM_WRAPPERS,
-    locations=['mmdtr.adapters'])
-RUNNERS = Registry(
-    'runner', parent=MMENGINE_RUNNERS, locations=['mmdtr.adapters'])
-MODELS = Registry('model', parent=MMENGINE_MODELS, locations=['mmdtr.models'])
-DATASETS = Registry(
-    'dataset', parent=MMENGINE_DATASETS, locations=['mmdtr.datasets'])
+
+def _child(name: str, location: str = None) -> Registry:
+    parent = getattr(mmengine_registry, name)
+    return Registry(
+        parent.name,
+        parent=parent,
+        locations=[location] if location else [])
+
+
+HOOKS = _child('HOOKS', 'mmdtr.adapters')
+MODEL_WRAPPERS = _child('MODEL_WRAPPERS', 'mmdtr.adapters')
+OPTIM_WRAPPERS = _child('OPTIM_WRAPPERS', 'mmdtr.adapters')
+RUNNERS = _child('RUNNERS', 'mmdtr.adapters')
+MODELS = _child('MODELS', 'mmdtr.models')
+DATASETS = _child('DATASETS', 'mmdtr.datasets')
+
+DATA_SAMPLERS = _child('DATA_SAMPLERS')
+EVALUATOR = _child('EVALUATOR')
+FUNCTIONS = _child('FUNCTIONS')
+INFERENCERS = _child('INFERENCERS')
+LOG_PROCESSORS = _child('LOG_PROCESSORS')
+LOOPS = _child('LOOPS')
+METRICS = _child('METRICS')
+OPTIMIZERS = _child('OPTIMIZERS')
+OPTIM_WRAPPER_CONSTRUCTORS = _child('OPTIM_WRAPPER_CONSTRUCTORS')
+PARAM_SCHEDULERS = _child('PARAM_SCHEDULERS')
+RUNNER_CONSTRUCTORS = _child('RUNNER_CONSTRUCTORS')
+TASK_UTILS = _child('TASK_UTILS')
+TRANSFORMS = _child('TRANSFORMS')
+VISBACKENDS = _child('VISBACKENDS')
+VISUALIZERS = _child('VISUALIZERS')
+WEIGHT_INITIALIZERS = _child('WEIGHT_INITIALIZERS')
