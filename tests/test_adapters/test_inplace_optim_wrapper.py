@@ -1,0 +1,359 @@
+"""InplaceOptimWrapper against MMEngine's OptimWrapper, bit for bit.
+
+Every run starts from the same weights and data; parameters (and optimizer
+state where stated) must be ``torch.equal`` after several steps. Memory is
+measured with the profiler's allocation events (``measure_peak_memory``).
+"""
+import copy
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from mmengine.config import Config
+from mmengine.optim import OptimWrapper, build_optim_wrapper
+from mmengine.optim.scheduler import LinearLR
+from mmengine.runner import Runner
+
+from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import OPTIM_WRAPPERS
+from mmdtr.utils.profiler_memory import measure_peak_memory
+
+CONFIG_DIR = Path(__file__).parents[2] / 'configs'
+OPTIMIZERS = {
+    'sgd': (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-2)),
+    'adamw': (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+class TiedNet(nn.Module):
+    """Tied embedding/output weight, BatchNorm, and an unused branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Sequential(
+            nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens))).logsumexp(-1).mean()
+
+
+def tokens(i):
+    return torch.randint(
+        0, 16, (6, ), generator=torch.Generator().manual_seed(i))
+
+
+def build(wrapper_cls, name='sgd', lr_groups=True, **wrapper_kwargs):
+    torch.manual_seed(0)
+    model = TiedNet()
+    cls, kwargs = OPTIMIZERS[name]
+    params = [
+        dict(params=list(model.body.parameters()), lr=kwargs['lr'] / 2),
+        dict(params=[model.embed.weight] + list(model.unused.parameters()))
+    ] if lr_groups else model.parameters()
+    wrapper = wrapper_cls(optimizer=cls(params, **kwargs), **wrapper_kwargs)
+    return model, wrapper
+
+
+def train(model, wrapper, iters, start=0, scheduler=None):
+    for i in range(start, start + iters):
+        with wrapper.optim_context(model):
+            loss = model(tokens(i))
+        wrapper.update_params(loss)
+        if scheduler is not None:
+            scheduler.step()
+    return model
+
+
+def assert_same_params(model_a, model_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), f'parameter {name} differs'
+    for (name, a), b in zip(model_a.named_buffers(), model_b.buffers()):
+        assert torch.equal(a, b), f'buffer {name} differs'
+
+
+def assert_same_state(wrapper_a, wrapper_b):
+    state_a, state_b = wrapper_a.state_dict(), wrapper_b.state_dict()
+    assert state_a['state'].keys() == state_b['state'].keys()
+    for key, entries in state_a['state'].items():
+        for name, value in entries.items():
+            assert torch.equal(value, state_b['state'][key][name]), name
+
+
+@pytest.mark.parametrize('step_in_backward', [False, True])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_bit_identical_to_optim_wrapper(name, step_in_backward):
+    ref, ref_wrapper = build(OptimWrapper, name)
+    model, wrapper = build(
+        InplaceOptimWrapper, name, step_in_backward=step_in_backward)
+    # a warm-up scheduler changes every group's lr at every iteration
+    train(ref, ref_wrapper, 5, scheduler=LinearLR(ref_wrapper, 0.1, end=4))
+    train(model, wrapper, 5, scheduler=LinearLR(wrapper, 0.1, end=4))
+    assert_same_params(ref, model)
+    assert_same_state(ref_wrapper, wrapper)
+    assert model.unused.weight.grad is None
+    assert all(p.grad is None for p in model.parameters())
+    assert wrapper.optimizer.param_groups[0]['foreach'] is False
+
+
+def test_accumulation_and_norm_clipping_match():
+    kwargs = dict(accumulative_counts=3, clip_grad=dict(max_norm=0.05))
+    ref, ref_wrapper = build(OptimWrapper, 'adamw', **kwargs)
+    model, wrapper = build(InplaceOptimWrapper, 'adamw', **kwargs)
+    for m, w in ((ref, ref_wrapper), (model, wrapper)):
+        w.initialize_count_status(m, 0, 7)  # 3 + 3 + a remainder of 1
+        train(m, w, 7)
+    assert_same_params(ref, model)
+    assert_same_state(ref_wrapper, wrapper)
+
+
+def test_value_clipping_in_backward_matches():
+    clip = dict(type='value', clip_value=0.01)
+    ref, ref_wrapper = build(OptimWrapper, 'sgd', clip_grad=dict(clip))
+    model, wrapper = build(
+        InplaceOptimWrapper, 'sgd', clip_grad=clip, step_in_backward=True)
+    train(ref, ref_wrapper, 3)
+    train(model, wrapper, 3)
+    assert_same_params(ref, model)
+    assert clip == dict(type='value', clip_value=0.01)  # config untouched
+
+
+@pytest.mark.parametrize('step_in_backward', [False, True])
+def test_grads_are_none_after_step(step_in_backward):
+    model, wrapper = build(
+        InplaceOptimWrapper, step_in_backward=step_in_backward)
+    wrapper.backward(model(tokens(0)))
+    has_grad = [p.grad is not None for p in model.parameters()]
+    assert any(has_grad) != step_in_backward
+    wrapper.step()  # no zero_grad
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize('step_in_backward', [False, True])
+@pytest.mark.parametrize('source', [OptimWrapper, InplaceOptimWrapper])
+def test_state_dict_round_trip(source, step_in_backward):
+    ref, ref_wrapper = build(source, 'adamw')
+    train(ref, ref_wrapper, 3)
+    state = copy.deepcopy(ref_wrapper.state_dict())
+    model, wrapper = build(
+        InplaceOptimWrapper, 'adamw', step_in_backward=step_in_backward)
+    model.load_state_dict(ref.state_dict())
+    wrapper.load_state_dict(state)
+    assert all(g['foreach'] is False for g in wrapper.optimizer.param_groups)
+    assert_same_state(ref_wrapper, wrapper)
+    train(ref, ref_wrapper, 3, start=3)
+    train(model, wrapper, 3, start=3)
+    assert_same_params(ref, model)
+    assert_same_state(ref_wrapper, wrapper)
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_step_in_backward_lowers_peak_by_the_gradients(name):
+    """An MLP of large Linear layers and a batch of 4: gradients dominate."""
+    peaks = {}
+    for step_in_backward in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[
+            nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(8)
+        ])
+        cls, kwargs = OPTIMIZERS[name]
+        wrapper = InplaceOptimWrapper(
+            cls(model.parameters(), **kwargs),
+            step_in_backward=step_in_backward)
+        inputs = torch.randn(4, 1024)
+
+        def step():
+            with wrapper.optim_context(model):
+                loss = model(inputs).square().mean()
+            wrapper.update_params(loss)
+
+        step()  # the optimizer state is allocated outside the measurement
+        _, peaks[step_in_backward] = measure_peak_memory(step)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    drop = peaks[False] - peaks[True]
+    print(f'{name}: peak {peaks[False]} B -> {peaks[True]} B, drop {drop} '
+          f'B = {drop / grad_bytes:.1%} of {grad_bytes} B of gradients')
+    assert drop >= 0.6 * grad_bytes
+
+
+def _refusals():
+    sgd = dict(type='SGD', lr=0.1)
+    return {
+        'accumulation': (dict(accumulative_counts=2, step_in_backward=True),
+                         sgd, 'accumulative_counts=2'),
+        'norm_clip':
+        (dict(clip_grad=dict(max_norm=1.0),
+              step_in_backward=True), sgd, 'clip_grad='),
+        'loss_scale': (dict(amp=dict(dtype='float16'), step_in_backward=True),
+                       sgd, "amp.loss_scale='dynamic'"),
+        'not_bool':
+        (dict(step_in_backward='yes'), sgd, "step_in_backward='yes'"),
+        'foreach': (dict(), dict(sgd, foreach=True), 'foreach=True'),
+        'lbfgs': (dict(step_in_backward=True), dict(type='LBFGS'), 'LBFGS'),
+        'amp_key': (dict(amp=dict(dtype='float16', scale=2.0)), sgd, 'amp='),
+        'amp_dtype': (dict(amp=dict(dtype='int8')), sgd, "amp.dtype='int8'"),
+        'amp_scale':
+        (dict(amp=dict(loss_scale='static')), sgd, "amp.loss_scale='static'"),
+    }
+
+
+@pytest.mark.parametrize('case', sorted(_refusals()))
+def test_refusals(case):
+    wrapper_kwargs, optimizer, match = _refusals()[case]
+    cfg = dict(
+        type='mmdtr.InplaceOptimWrapper',
+        optimizer=optimizer,
+        **wrapper_kwargs)
+    with pytest.raises(MmdtrError, match=re.escape(match)):
+        build_optim_wrapper(nn.Linear(2, 2), cfg)
+
+
+def test_step_in_backward_refuses_distributed_wrappers():
+    model, wrapper = build(InplaceOptimWrapper, step_in_backward=True)
+    with pytest.raises(MmdtrError, match='DataParallel'):
+        with wrapper.optim_context(nn.DataParallel(model)):
+            pass
+
+
+def test_step_in_backward_refuses_two_backwards_in_a_row():
+    model, wrapper = build(InplaceOptimWrapper, step_in_backward=True)
+    wrapper.backward(model(tokens(0)))
+    with pytest.raises(MmdtrError, match='two backward calls'):
+        wrapper.backward(model(tokens(1)))
+
+
+def test_amp_matches_autocast_and_grad_scaler():
+    """AMP on CPU: bfloat16 autocast, dynamic scaling, norm clipping."""
+    ref, ref_wrapper = build(OptimWrapper, 'adamw')
+    opt, scaler = ref_wrapper.optimizer, torch.amp.GradScaler('cpu')
+    for i in range(3):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            loss = ref(tokens(i))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    model, wrapper = build(
+        InplaceOptimWrapper,
+        'adamw',
+        clip_grad=dict(max_norm=0.05),
+        amp=dict(dtype='bfloat16', loss_scale='dynamic'))
+    with wrapper.optim_context(model):
+        assert model.body[0](torch.ones(1, 8)).dtype == torch.bfloat16
+    train(model, wrapper, 3)
+    assert_same_params(ref, model)
+    assert wrapper.state_dict()['loss_scaler'] == scaler.state_dict()
+
+
+def test_amp_without_loss_scale_in_backward():
+    ref, ref_wrapper = build(OptimWrapper, 'sgd')
+    for i in range(3):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            loss = ref(tokens(i))
+        ref_wrapper.update_params(loss)
+    model, wrapper = build(
+        InplaceOptimWrapper,
+        'sgd',
+        step_in_backward=True,
+        amp=dict(dtype='bfloat16', loss_scale=None))
+    train(model, wrapper, 3)
+    assert_same_params(ref, model)
+    assert 'loss_scaler' not in wrapper.state_dict()
+
+
+def test_static_loss_scale_stays():
+    model, wrapper = build(
+        InplaceOptimWrapper, amp=dict(dtype='float16', loss_scale=8.0))
+    train(model, wrapper, 2)
+    assert wrapper.loss_scaler.get_scale() == 8.0
+
+
+def test_registered_under_both_names():
+    assert OPTIM_WRAPPERS.get('InplaceOptimWrapper') is InplaceOptimWrapper
+    assert (OPTIM_WRAPPERS.get('mmdtr.InplaceOptimWrapper')
+            is InplaceOptimWrapper)
+
+
+# --------------------------------------------------------------- Runner level
+WORKLOADS = {
+    # GPT: tied embedding/output weights, AdamW, one group per parameter
+    # (paramwise_cfg, bypass_duplicate), norm clipping (dropped in backward)
+    'gpt_synthetic.py': {
+        'model.vocab_size': 64,
+        'model.max_seq_len': 16,
+        'model.num_layers': 2,
+        'model.num_heads': 2,
+        'model.embed_dims': 32,
+        'train_dataloader.dataset.vocab_size': 64,
+        'train_dataloader.dataset.seq_len': 16,
+        'train_dataloader.dataset.num_samples': 16,
+    },
+    # ShuffleNetV2: BatchNorm, SGD with momentum and weight decay
+    'shufflenetv2_synthetic.py': {
+        'model.widen_factor': 0.5,
+        'model.num_classes': 10,
+        'train_dataloader.dataset.num_classes': 10,
+        'train_dataloader.dataset.image_size': 32,
+        'train_dataloader.dataset.num_samples': 16,
+    },
+}
+
+SMALL_RUN = {
+    'train_cfg.max_iters':
+    3,
+    'train_dataloader.batch_size':
+    2,
+    'log_level':
+    'WARNING',
+    # a warm-up: every per-parameter step must see the current lr
+    'param_scheduler':
+    dict(type='LinearLR', start_factor=0.2, by_epoch=False, end=3),
+}
+
+
+def run_workload(config, tmp_path, **optim_wrapper):
+    cfg = Config.fromfile(str(CONFIG_DIR / config))
+    cfg.merge_from_dict(WORKLOADS[config])
+    cfg.merge_from_dict(SMALL_RUN)
+    cfg.merge_from_dict({
+        f'optim_wrapper.{k}': v
+        for k, v in optim_wrapper.items()
+    })
+    cfg.work_dir = str(tmp_path)
+    cfg.experiment_name = f'inplace_{uuid.uuid4().hex[:8]}'
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    assert runner.iter == 3
+    wrapper_type = optim_wrapper.get('type', 'OptimWrapper')
+    assert type(runner.optim_wrapper).__name__ == wrapper_type.split('.')[-1]
+    return runner.model
+
+
+@pytest.mark.parametrize('config', sorted(WORKLOADS))
+def test_runner_training_is_bit_identical(config, tmp_path):
+    ref = run_workload(config, tmp_path)
+    inplace = run_workload(config, tmp_path, type='mmdtr.InplaceOptimWrapper')
+    assert_same_params(ref, inplace)
+    # global clipping is refused in the backward: compare without it
+    base = Config.fromfile(str(CONFIG_DIR / config))
+    if base.optim_wrapper.get('clip_grad'):  # GPT: max_norm=1.0
+        ref = run_workload(config, tmp_path, clip_grad=None)
+    in_backward = run_workload(
+        config,
+        tmp_path,
+        type='InplaceOptimWrapper',
+        clip_grad=None,
+        step_in_backward=True)
+    assert_same_params(ref, in_backward)
+    if config.startswith('gpt'):
+        tied = in_backward.lm_head.weight
+        assert tied is in_backward.token_embedding.weight
