@@ -60,6 +60,8 @@ class EngineState:
         self.clock = 0
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0
+        # the limit in force: raised above an unreachable threshold
+        self.limit = threshold
         self.remat_seconds = 0.0
         self.closed = False
         self._sampler = random.Random(0)  # never torch's RNG (R6)
@@ -158,9 +160,11 @@ class EngineState:
             self._after_write(w, node if replayable else None, info)
         if self.cuda:
             self.peak = max(self.peak, self.memory_in_use())
-        if self.threshold is not None and \
-                self.memory_in_use() > self.threshold:
-            self.evict_until(self.threshold)
+        if self.limit is not None and self.memory_in_use() > self.limit:
+            self.evict_until()
+        elif self.limit != self.threshold and \
+                self.memory_in_use() <= self.threshold:
+            self.limit = self.threshold  # reachable again
         return out
 
     def _link(self, rec, node):
@@ -367,10 +371,20 @@ class EngineState:
                 self._drop_candidate(rec)
 
     # eviction (R3, R8) ----------------------------------------------------
-    def evict_until(self, limit):
-        while self.memory_in_use() > limit:
+    def evict_until(self):
+        """Evict until memory in use is within the limit in force.
+
+        When nothing evictable is left above the threshold, the threshold is
+        unreachable for now: the limit rises to the memory in use plus an
+        eighth of the threshold, and falls back once memory is under the
+        threshold again. Without this, every op near an unreachable
+        threshold would evict the storages needed next (thrashing).
+        """
+        while self.memory_in_use() > self.limit:
             if not self._evict_one():
                 self.eviction_failures += 1
+                self.limit = self.memory_in_use() + max(
+                    self.threshold // 8, 1)
                 return
 
     def _evict_one(self) -> bool:
@@ -408,6 +422,7 @@ class EngineState:
         """Return ``rec``'s storage at ``version``, recomputing if needed."""
         storage = rec.storage()
         if storage is not None and rec.version == version:
+            rec.last_access = self.clock
             return storage
         if not rec.recomputable(version):
             raise MmdtrError(
@@ -421,6 +436,7 @@ class EngineState:
             storage = self._rebuild(rec, version)
         finally:
             sys.setrecursionlimit(limit)
+        rec.last_access = self.clock  # just rebuilt: fresh, not stale
         if version == rec.version and not rec.resident:
             self._register(storage, storage._cdata, rec)
             rec.remat_count += 1
@@ -461,10 +477,9 @@ class EngineState:
             else:
                 out = self._run_with_rng(node, args, kwargs)
         self.clock += 1
-        if self.threshold is not None and \
-                self.memory_in_use() > self.threshold:
+        if self.limit is not None and self.memory_in_use() > self.limit:
             del args, kwargs  # inputs we no longer need may go
-            self.evict_until(self.threshold)
+            self.evict_until()
         return out
 
     def _resolve(self, a, self_storage):

@@ -38,7 +38,7 @@ def apply(op, values, pick, w):
     if op == 'transpose':
         return a.t().contiguous().t() * 2
     if op == 'view':
-        return a.view(-1).view(a.shape).cos()
+        return a.contiguous().view(-1).view(a.shape).cos()
     if op == 'split_cat':
         x, y = a.split(a.shape[1] // 2, dim=1)
         return torch.cat([y.sin(), x], dim=1)
