@@ -219,3 +219,29 @@ def test_inplace_step_allocates_no_copy_of_the_parameter_list(name):
     # of the second moment, two at once), never the whole list's
     assert peaks[False] <= 2 * largest + 4096
     assert peaks[True] - peaks[False] >= 0.6 * param_bytes
+
+
+def test_non_reentrant_checkpointing_of_a_shared_weight():
+    """Non-reentrant recomputation stays inside the outer backward."""
+    results = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        shared = nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(shared.parameters(), lr=0.1, momentum=0.9)
+        stepper = PerParameterStepper(optimizer) if in_backward else None
+        for i in range(3):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+            y = checkpoint(shared, x, use_reentrant=False).tanh()
+            z = checkpoint(shared, y, use_reentrant=False)
+            if stepper is None:
+                z.square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                stepper.begin()
+                z.square().sum().backward()
+                stepper.end()
+                assert stepper.steps_taken == 2
+        results.append(shared)
+    assert torch.equal(results[0].weight, results[1].weight)
+    assert torch.equal(results[0].bias, results[1].bias)
