@@ -23,6 +23,34 @@ _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 
 
+def _input_storages(args, kwargs) -> set:
+    """Addresses of the storages of a call's tensor arguments."""
+    cdatas = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            cdatas.add(a.untyped_storage()._cdata)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    cdatas.add(b.untyped_storage()._cdata)
+    return cdatas
+
+
+def _tensors_bytes(values) -> int:
+    total = 0
+    for a in values:
+        if isinstance(a, Tensor):
+            total += tensor_bytes(a)
+        elif isinstance(a, (list, tuple)):
+            total += _tensors_bytes(a)
+    return total
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers its address."""
+    __slots__ = ('cdata', )
+
+
 class SavedHandle:
     """What autograd keeps instead of a managed saved tensor (R10)."""
     __slots__ = ('state', 'record', 'key', 'version')
@@ -77,24 +105,22 @@ class EngineState:
         if rec is None:
             rec = StorageRecord(nbytes, storage.device, self.clock)
         rec.cdata = cdata
-        rec.wref = weakref.ref(storage, self._make_on_free(cdata))
+        rec.wref = _StorageRef(storage, self._on_free)
+        rec.wref.cdata = cdata
         self.records[cdata] = rec
         self.in_use += nbytes
         if self.in_use > self.peak:
             self.peak = self.in_use
         return rec
 
-    def _make_on_free(self, cdata):
-
-        def on_free(_):
-            rec = self.records.pop(cdata, None)
-            if rec is not None and rec.cdata == cdata:
-                self.in_use -= rec.nbytes
-                rec.cdata = rec.wref = None
-                if rec.cand_index >= 0:
-                    self._drop_candidate(rec)
-
-        return on_free
+    def _on_free(self, wref):
+        """A registered storage was freed (evicted or dropped): account."""
+        rec = self.records.pop(wref.cdata, None)
+        if rec is not None and rec.wref is wref:
+            self.in_use -= rec.nbytes
+            rec.cdata = rec.wref = None
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
 
     # candidates -----------------------------------------------------------
     def _add_candidate(self, rec):
@@ -113,42 +139,27 @@ class EngineState:
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
         info = op_info(func)
-        writes = [get_arg(info, args, kwargs, i) for i in info.written_args]
-        scratch = ()
-        if info.side_effect_args and (info.batch_norm_training_arg is None
-                                      or batch_norm_in_training(
-                                          info, args, kwargs)):
-            scratch = tuple(info.side_effect_args)
-            writes += [get_arg(info, args, kwargs, i) for i in scratch]
-        writes = [w for w in writes if isinstance(w, Tensor)]
-        for w in writes:
-            self._before_write(w)
+        writes, n_declared, scratch = (), 0, ()
+        if info.written_args or info.side_effect_args:
+            writes, n_declared, scratch = self._writes(info, args, kwargs)
+            for w in writes:
+                self._before_write(w)
         rng = self._capture_rng(args, kwargs) if info.random else None
         out = self._run(func, args, kwargs)
         self.clock += 1
-        outs = out if isinstance(out, (tuple, list)) else (out, )
-        in_cdatas, nbytes = self._input_storages(args, kwargs)
-        new = []
-        for i, o in enumerate(outs):
-            if isinstance(o, Tensor) and o.device.type != 'meta':
-                s = o.untyped_storage()
-                cdata = s._cdata
-                if cdata not in in_cdatas and cdata not in self.records \
-                        and s.nbytes():
-                    new.append((i, self._register(s, cdata)))
-                nbytes += tensor_bytes(o)
+        new = self._register_outputs(out, args, kwargs)
+        declared = writes[:n_declared]
         replayable = info.replayable and (
             not info.nondeterministic or not self.cuda
             or torch.are_deterministic_algorithms_enabled())
-        target = self._mutation_target(writes[:len(info.written_args)],
-                                       info.full_overwrite)
-        record_creator = new and torch.is_grad_enabled()
+        target = self._mutation_target(declared, info.full_overwrite) \
+            if declared else None
+        record_creator = bool(new) and torch.is_grad_enabled()
         node = None
         if replayable and (record_creator or target is not None):
-            cost = op_cost(func, args, kwargs, out, nbytes)
-            node = self._make_node(func, args, kwargs, scratch, cost, rng,
+            node = self._make_node(func, args, kwargs, out, scratch, rng,
                                    target)
-        if new and record_creator and replayable:
+        if record_creator and replayable:
             for i, rec in new:
                 if info.uninitialized:
                     rec.creator = AllocNode(rec.nbytes, rec.device)
@@ -156,16 +167,55 @@ class EngineState:
                     rec.creator, rec.out_index, rec.lo = node, i, 0
                     rec.cost = node.cost
                     self._link(rec, node)
-        for w in writes[:len(info.written_args)]:
+        for w in declared:
             self._after_write(w, node if replayable else None, info)
-        if self.cuda:
-            self.peak = max(self.peak, self.memory_in_use())
-        if self.limit is not None and self.memory_in_use() > self.limit:
+        memory = self.memory_in_use()
+        if self.cuda and memory > self.peak:
+            self.peak = memory
+        if self.limit is not None and memory > self.limit:
             self.evict_until()
-        elif self.limit != self.threshold and \
-                self.memory_in_use() <= self.threshold:
+        elif self.limit != self.threshold and memory <= self.threshold:
             self.limit = self.threshold  # reachable again
         return out
+
+    @staticmethod
+    def _writes(info, args, kwargs):
+        """Tensors the call writes: declared ones first, then side effects
+        (batch norm's running statistics in training mode, R6)."""
+        writes = [get_arg(info, args, kwargs, i) for i in info.written_args]
+        scratch = ()
+        if info.side_effect_args and (info.batch_norm_training_arg is None
+                                      or batch_norm_in_training(
+                                          info, args, kwargs)):
+            scratch = info.side_effect_args
+            writes += [get_arg(info, args, kwargs, i) for i in scratch]
+        n_declared = sum(
+            isinstance(w, Tensor) for w in writes[:len(info.written_args)])
+        return [w for w in writes if isinstance(w, Tensor)], n_declared, \
+            scratch
+
+    def _register_outputs(self, out, args, kwargs):
+        """Register the storages the call allocated; return them (R11)."""
+        if isinstance(out, Tensor):
+            outs = (out, )
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        else:
+            return ()
+        records, new, inputs = self.records, [], None
+        for i, o in enumerate(outs):
+            if not isinstance(o, Tensor):
+                continue
+            storage = o.untyped_storage()
+            cdata = storage._cdata
+            if cdata in records:
+                continue  # a view or write of a storage we know
+            if inputs is None:
+                inputs = _input_storages(args, kwargs)
+            if cdata in inputs or o.is_meta or not storage.nbytes():
+                continue  # a view of an external storage; nothing real
+            new.append((i, self._register(storage, cdata)))
+        return new
 
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""
@@ -196,20 +246,6 @@ class EngineState:
                 if not self.cuda or not self._evict_one():
                     raise
 
-    @staticmethod
-    def _input_storages(args, kwargs):
-        cdatas, nbytes = set(), 0
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor):
-                cdatas.add(a.untyped_storage()._cdata)
-                nbytes += tensor_bytes(a)
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, Tensor):
-                        cdatas.add(b.untyped_storage()._cdata)
-                        nbytes += tensor_bytes(b)
-        return cdatas, nbytes
-
     def _mutation_target(self, written, full_overwrite):
         for w in written:
             rec = self.records.get(w.untyped_storage()._cdata)
@@ -218,8 +254,11 @@ class EngineState:
                 return rec.cdata
         return None
 
-    def _make_node(self, func, args, kwargs, scratch, cost, rng, target):
+    def _make_node(self, func, args, kwargs, out, scratch, rng, target):
         info = op_info(func)
+        moved = _tensors_bytes((*args, *kwargs.values())) + _tensors_bytes(
+            out if isinstance(out, (tuple, list)) else (out, ))
+        cost = op_cost(func, args, kwargs, out, moved)
         scratch_names = {info.arg_names[i] for i in scratch}
 
         def ref(a, scratch_arg):
