@@ -24,8 +24,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 """
 import functools
 from contextlib import ExitStack, nullcontext
-from typing import (Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple,
-                    Union)
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -121,9 +120,7 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
             raise _bad_policy(
                 policy, 'unknown policy name' +
                 (f' (closest: {close})' if close else ''))
-        names = [
-            name for name in POLICIES[policy] if hasattr(torch.ops.aten, name)
-        ]
+        names = [n for n in POLICIES[policy] if hasattr(torch.ops.aten, n)]
     elif (isinstance(policy, (list, tuple)) and policy
           and all(isinstance(name, str) for name in policy)):
         names = list(policy)
@@ -135,26 +132,39 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
     return tuple(sorted({_canonical_op(name, policy) for name in names}))
 
 
-@functools.lru_cache(maxsize=None)
-def _resolve_ops(names: Tuple[str, ...]) -> FrozenSet[object]:
-    ops = set()
-    for name in names:
-        parts = name.split('.')[1:]
-        op = getattr(torch.ops.aten, parts[0])
-        ops.add(getattr(op, parts[1]) if len(parts) == 2 else op)
-    return frozenset(ops)
-
-
 class _SavePolicy:
-    """SAC policy: keep the outputs of ``ops``, recompute everything else."""
+    """SAC policy: keep the outputs of ``overloads``, recompute the rest.
 
-    def __init__(self, ops: FrozenSet[object]):
-        self.ops = ops
+    Args:
+        overloads (tuple[OpOverload]): The aten op overloads to keep.
+    """
+
+    def __init__(self, overloads: Tuple[object, ...]):
+        self.overloads = overloads
+        self.ops = frozenset(overloads)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in self.ops or getattr(op, 'overloadpacket', None) in self.ops:
+        if op in self.ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+#: canonical policy names -> their _SavePolicy (a plain dict, not an
+#: lru_cache, so torch.compile can read it without a warning)
+_SAVE_POLICIES: Dict[Tuple[str, ...], _SavePolicy] = {}
+
+
+def _save_policy(names: Tuple[str, ...]) -> _SavePolicy:
+    policy = _SAVE_POLICIES.get(names)
+    if policy is None:
+        overloads = []
+        for name in names:
+            parts = name.split('.')[1:]
+            packet = getattr(torch.ops.aten, parts[0])
+            for overload in parts[1:] or packet.overloads():
+                overloads.append(getattr(packet, overload))
+        policy = _SAVE_POLICIES[names] = _SavePolicy(tuple(overloads))
+    return policy
 
 
 class _RunningStatsGuard:
@@ -223,7 +233,7 @@ def _context_fn(module: nn.Module,
                 policy: Optional[Tuple[str, ...]]) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
-            _SavePolicy(_resolve_ops(policy)))
+            _save_policy(policy))
     else:
         fwd, recompute = nullcontext(), nullcontext()
     guard = _RunningStatsGuard(_tracking_norms(module))
@@ -237,10 +247,23 @@ def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
 
 
 def _inner_forward(module: nn.Module) -> Callable:
-    inner = module.__dict__.get(_ORIG_FORWARD)
-    if inner is not None:
-        return inner
-    return type(module).forward.__get__(module)
+    return (module.__dict__.get(_ORIG_FORWARD)
+            or type(module).forward.__get__(module))
+
+
+def _compiled_checkpoint(run: Callable, policy: Optional[Tuple[str, ...]],
+                         *inputs):
+    """Checkpoint under torch.compile: no running-stats guard is needed
+    (the compiled graph updates buffers once, outside the recompute) and
+    only SAC's own contexts are accepted."""
+    if not policy:
+        return checkpoint(run, *inputs, use_reentrant=False)
+    return checkpoint(
+        run,
+        *inputs,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                     list(_save_policy(policy).overloads)))
 
 
 def checkpointed_forward(self: nn.Module, *args, **kwargs):
@@ -255,8 +278,10 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
         return inner(*args, **kwargs)
     keys = tuple(kwargs)
     run = functools.partial(_call_with_kwargs, inner, len(args), keys)
-    context_fn = functools.partial(_context_fn, self,
-                                   getattr(self, _POLICY_ATTR, None))
+    policy = getattr(self, _POLICY_ATTR, None)
+    if torch.compiler.is_compiling():
+        return _compiled_checkpoint(run, policy, *args, *kwargs.values())
+    context_fn = functools.partial(_context_fn, self, policy)
     return checkpoint(
         run,
         *args,
@@ -323,7 +348,7 @@ def apply_activation_checkpointing(model: nn.Module,
     All names and the policy are validated before any module is changed.
     When both a module and one of its descendants are selected, only the
     outer one is wrapped. Applying again to a wrapped module updates its
-    policy. Apply ``efficient_conv_bn_eval`` first when combining the two.
+    policy. mmdtr's ``efficient_conv_bn_eval`` may come before or after.
 
     Args:
         model (nn.Module): The model (unwrap DDP first: pass ``.module``).
@@ -368,4 +393,6 @@ def apply_activation_checkpointing(model: nn.Module,
                 setattr(module, _ORIG_FORWARD, module.__dict__['forward'])
             module.forward = checkpointed_forward.__get__(module)
         setattr(module, _POLICY_ATTR, ops)
+    if ops:
+        _save_policy(ops)  # resolve now, outside any torch.compile trace
     return names

@@ -287,6 +287,25 @@ def test_nested_selection_wraps_outermost_only():
     assert not is_checkpointed(model.layer2[0][1])
 
 
+@pytest.mark.parametrize('policy', [None, 'save_compute_heavy'])
+def test_torch_compile_bit_identical(policy):
+    """Under torch.compile (aot_eager: dynamo + AOTAutograd, no C++)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = ConvNet(depth=1)
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, 'layer*', policy)
+    compiled = torch.compile(ckpt, backend='aot_eager')
+    x, y = _conv_batch()
+    loss_plain = F.cross_entropy(plain(x), y)
+    loss_plain.backward()
+    loss_ckpt = F.cross_entropy(compiled(x), y)
+    loss_ckpt.backward()
+    _assert_bit_identical(plain, ckpt, [loss_plain.detach()],
+                          [loss_ckpt.detach()])
+    assert int(ckpt.layer1[0][1].num_batches_tracked) == 1
+
+
 def _ddp_worker(rank, world_size, tmp):
     dist.init_process_group(
         'gloo',
