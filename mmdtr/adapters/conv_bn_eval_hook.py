@@ -118,11 +118,13 @@ class EfficientConvBnEvalHook(Hook):
             runner.logger.warning(str(warning.message))
         for result in self.results:
             if result.enabled:
+                traced = result.traced[:4] + (['...'] if len(result.traced) > 4
+                                              else [])
                 runner.logger.info(
                     f'{KEY}: {result.name!r}: {result.fused_pairs} Conv+BN '
-                    f'pairs fused via torch.fx in {result.traced}, '
-                    f'{result.native_modules} mmcv ConvModules use their own '
-                    'support.')
+                    f'pairs fused in {len(result.traced)} torch.fx-traced '
+                    f'modules {traced}; {result.native_modules} mmcv '
+                    'ConvModules use their own support.')
 
     def before_train(self, runner) -> None:
         """Apply to the model before the first training iteration."""

@@ -14,21 +14,26 @@ This module finds the pairs and rewires the graph; the fused computation
 itself is supplied by the caller (the MMEngine adapter passes
 ``mmengine.model.efficient_conv_bn_eval.efficient_conv_bn_eval_control``),
 and so is ``native``, which turns on a module type's own support (mmcv's
-``ConvModule.turn_on_efficient_conv_bn_eval``). Pairs are found with
-``torch.fx``: a traced module gets the traced forward. Tracing fails on
-data-dependent Python control flow; then the children are traced one by one
-and the failure is reported.
+``ConvModule.turn_on_efficient_conv_bn_eval``).
 
-Compared with MMEngine's ``efficient_conv_bn_eval_graph_transform`` the pair
-search here skips (instead of raising ``KeyError`` on) BatchNorms whose input
-is not a module call (a BN on the input, after an add or a concat), skips
+Pairs are found with ``torch.fx``, one module at a time: only the modules
+that directly own a Conv and a BatchNorm are traced, and in each trace every
+child module with a forward of its own stays a call (a leaf). So a trace
+bakes in only that module's own Python code (a ``self.training`` branch of a
+child stays live), a trace failure (data-dependent control flow) is confined
+to the module whose own code causes it and is reported with the reason, and
+activation checkpointing can wrap any module, before or after. The price: a
+Conv in one child whose output feeds a BatchNorm in another stays unfused.
+
+Compared with MMEngine's ``efficient_conv_bn_eval_graph_transform``, the
+pair search also skips (instead of raising ``KeyError`` on) BatchNorms whose
+input is not a module call (a BN on the input, after an add or a concat),
 transposed convolutions (whose weight layout the fused form does not handle)
-and BatchNorms without running statistics, and treats modules wrapped by
-activation checkpointing as leaves so their checkpoint stays in place.
+and BatchNorms without running statistics.
 """
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -36,7 +41,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from .activation_checkpointing import is_checkpointed, replace_forward
+from .activation_checkpointing import replace_forward
 from .module_selection import outermost, resolve_modules
 
 #: ``fused(bn, conv, x) -> Tensor``: ``bn(conv(x))`` in the fused form.
@@ -70,22 +75,29 @@ class ConvBnEvalResult:
         return bool(self.fused_pairs or self.native_modules)
 
 
-class _ConvBnTracer(fx.Tracer):
-    """A tracer keeping natively supported and checkpointed modules whole."""
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
 
-    def __init__(self, leaves: Set[int]):
-        super().__init__()
-        self.leaves = leaves
+
+class _ConvBnTracer(fx.Tracer):
+    """Trace one module's own code: every child with a forward is a leaf."""
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
-        return (id(m) in self.leaves or is_checkpointed(m)
-                or super().is_leaf_module(m, qualified_name))
+        return _has_forward(m)
 
 
 def _is_layer(module: nn.Module) -> bool:
     """A torch.nn layer with its own forward (not a bare container)."""
-    return (type(module).forward is not nn.Module.forward
-            and fx.Tracer().is_leaf_module(module, ''))
+    return _has_forward(module) and fx.Tracer().is_leaf_module(module, '')
+
+
+def _own_layers(module: nn.Module):
+    """Children called by ``module``'s own code, seen through containers."""
+    for child in module.children():
+        if _has_forward(child):
+            yield child
+        else:  # ModuleList, ModuleDict, a bare nn.Module
+            yield from _own_layers(child)
 
 
 def _fusable_conv(module: Optional[nn.Module]) -> bool:
@@ -148,24 +160,14 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
 
 
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
-                    leaves: Set[int], result: ConvBnEvalResult) -> None:
-    tracer = _ConvBnTracer(leaves)
+                    result: ConvBnEvalResult) -> None:
     try:
-        if type(module).forward is nn.Module.forward:
-            graph = None  # a plain container: trace its children
-        else:
-            graph = tracer.trace(module)
-    except Exception as exc:  # any trace failure: report, trace children
+        graph = _ConvBnTracer().trace(module)
+    except Exception as exc:  # any trace failure: report it, go on
         first_line = (str(exc).strip().splitlines() or [''])[0]
         result.failures.append(
             (name, f'torch.fx tracing failed ({type(exc).__name__}: '
              f'{first_line})'))
-        graph = None
-    if graph is None:
-        for child_name, child in module.named_children():
-            if id(child) not in leaves and not _is_layer(child):
-                _trace_and_fuse(child, f'{name}.{child_name}', fused, leaves,
-                                result)
         return
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
     count = fuse_conv_bn_pairs(gm, fused)
@@ -175,20 +177,36 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
         result.traced.append(name)
 
 
+def _fuse_subtree(module: nn.Module, name: str, fused: FusedForward,
+                  native: Optional[NativeSupport],
+                  result: ConvBnEvalResult) -> None:
+    if native is not None and native(module):
+        result.native_modules += 1
+        return
+    if _is_layer(module):
+        return
+    layers = list(_own_layers(module))
+    if (_has_forward(module) and any(map(_fusable_conv, layers))
+            and any(map(_fusable_bn, layers))):
+        _trace_and_fuse(module, name, fused, result)
+    for child_name, child in module.named_children():
+        _fuse_subtree(child, f'{name}.{child_name}', fused, native, result)
+
+
 def _explain(result: ConvBnEvalResult) -> Optional[str]:
     failed = '; '.join(f'{name!r}: {why}' for name, why in result.failures[:3])
     if len(result.failures) > 3:
         failed += f'; and {len(result.failures) - 3} more'
     if not result.enabled:
         why = failed or (
-            'its trace has no Conv (not transposed) whose output feeds only '
-            'a BatchNorm with running statistics')
+            'no module in it calls a Conv (not transposed) whose output '
+            'feeds only a BatchNorm with running statistics')
         return ('efficient_conv_bn_eval: no Conv+BN pair was fused in '
                 f'module {result.name!r}, it runs unchanged. Why: {why}.')
     if failed:
         return (f'efficient_conv_bn_eval: module {result.name!r} is only '
-                'partly fused; Conv+BN pairs run unfused in parts that could '
-                f'not be traced. Why: {failed}.')
+                'partly fused; the Conv+BN pairs of sub-modules that could '
+                f'not be traced run unfused. Why: {failed}.')
     return None
 
 
@@ -200,10 +218,10 @@ def apply_efficient_conv_bn_eval(model: nn.Module,
     """Fuse eval-mode Conv+BN pairs inside the named sub-modules.
 
     Every name is checked before anything changes. Sub-modules for which
-    ``native`` returns True keep their own support and are not traced
-    through. A ``UserWarning`` names each selected module left unfused, or
-    partly fused, and says why. Apply this before activation checkpointing
-    when combining the two (checkpointed modules are kept whole).
+    ``native`` returns True keep their own support and are not traced. A
+    ``UserWarning`` names each selected module left unfused, or partly
+    fused, and says why. Activation checkpointing may be applied before or
+    after, on any module.
 
     Args:
         model (nn.Module): The model (unwrap DDP first: pass ``.module``).
@@ -231,20 +249,12 @@ def apply_efficient_conv_bn_eval(model: nn.Module,
     for name in outermost(list(found)):
         module = found[name]
         result = ConvBnEvalResult(name)
-        leaves = set()
-        if native is not None:
-            for sub in module.modules():
-                if native(sub):
-                    leaves.add(id(sub))
-        result.native_modules = len(leaves)
-        if id(module) in leaves:
-            pass
-        elif _is_layer(module):
+        if _is_layer(module):
             result.failures.append(
                 (name, f'it is a single layer ({type(module).__name__}), '
                  'not a module containing Conv+BN pairs'))
         else:
-            _trace_and_fuse(module, name, fused, leaves, result)
+            _fuse_subtree(module, name, fused, native, result)
         message = _explain(result)
         if message:
             warnings.warn(message, UserWarning, stacklevel=2)

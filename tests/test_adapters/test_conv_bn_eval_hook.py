@@ -140,6 +140,9 @@ def test_hook_matches_plain_and_logs(tmp_path):
         text = f.read()
     assert ('Enabling the "efficient_conv_bn_eval" feature for these '
             "modules ['backbone', 'head']") in text
+    assert ("efficient_conv_bn_eval: 'backbone': 2 Conv+BN pairs fused in 1 "
+            "torch.fx-traced modules ['backbone.stem']; 2 mmcv ConvModules "
+            'use their own support.') in text
     assert ("WARNING - efficient_conv_bn_eval: no Conv+BN pair was fused in "
             "module 'head', it runs unchanged. Why: 'head': it is a single "
             'layer (Linear)') in text
