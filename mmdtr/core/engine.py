@@ -109,7 +109,7 @@ class EngineState:
         rec.wref.cdata = cdata
         self.records[cdata] = rec
         self.in_use += nbytes
-        if self.in_use > self.peak:
+        if self.in_use > self.peak and not self.cuda:
             self.peak = self.in_use
         return rec
 
@@ -431,11 +431,20 @@ class EngineState:
         n = len(cands)
         if n == 0:
             return False
+        best = None
         if self.sqrt_sampling and n > 4:
             k = max(2, int(n**0.5))
-            pool = [cands[i] for i in self._sampler.sample(range(n), k)]
-        else:
-            pool = cands
+            best = self._best([cands[i]
+                               for i in self._sampler.sample(range(n), k)])
+        if best is None:  # no sampling, or nothing exclusive sampled
+            best = self._best(cands)
+        if best is None:
+            return False
+        self._evict(best)
+        return True
+
+    def _best(self, pool):
+        """The lowest-scored exclusive record of ``pool``, or ``None``."""
         score, clock = self.policy.score, self.clock
         best, best_score = None, float('inf')
         for rec in pool:
@@ -445,10 +454,7 @@ class EngineState:
             if value < best_score and \
                     _use_count(rec.cdata) == len(rec.views) + 1:
                 best, best_score = rec, value
-        if best is None:
-            return False
-        self._evict(best)
-        return True
+        return best
 
     def _evict(self, rec):
         self._drop_candidate(rec)
