@@ -8,4 +8,6 @@ from . import distributed  # noqa: F401
 from . import runner  # noqa: F401
 from . import activation_checkpointing_hook  # noqa: F401
 from . import conv_bn_eval_hook  # noqa: F401
+from . import dtr_model_wrapper  # noqa: F401
+from . import dtr_hook  # noqa: F401
 from . import inplace_optim_wrapper  # noqa: F401

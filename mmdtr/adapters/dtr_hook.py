@@ -1,0 +1,147 @@
+"""MMEngine adapter of DTR: the ``dtr`` config key and :class:`DTRHook`.
+
+The engine is :class:`mmdtr.dtr.DTR`; one training step under it is
+:class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep`. The hook decides
+who runs that step, once, before training:
+
+- if the model is a
+  :class:`~mmdtr.adapters.dtr_model_wrapper.DTRDistributedDataParallel`,
+  the hook gives it the settings and the wrapper runs the engine in its
+  ``train_step`` (one engine per rank);
+- otherwise (a single-process model, or another DDP wrapper such as the
+  ones MMEngine and ``MMDTRRunner`` use by default) the hook runs the same
+  step around ``runner.model.train_step`` itself, again one engine per
+  process.
+
+Either way there is one engine per process, entered for the forward and
+backward of each training iteration only.
+"""
+import functools
+from typing import Optional, Union
+
+from mmengine.hooks import Hook
+
+from mmdtr.dtr import DTRStats
+from mmdtr.registry import HOOKS
+from .config_translation import memory_key
+from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
+                                dtr_settings, model_device)
+
+KEY = 'dtr'
+
+
+@memory_key(KEY)
+def translate_dtr(value) -> dict:
+    """Validate the ``dtr`` value and build the :class:`DTRHook` config.
+
+    The settings are checked by building a :class:`~mmdtr.dtr.DTR` engine
+    (not entering it) on the default device, so bad values fail before the
+    runner is built.
+
+    Args:
+        value (dict): ``eviction_threshold``, ``evictee_minimum_size``,
+            ``enable_sqrt_sampling``, ``policy``; see :class:`DTRHook`.
+
+    Returns:
+        dict: The config of :class:`DTRHook`.
+
+    Raises:
+        MmdtrError: On a non-dict value, an unknown sub-key (with the
+            closest matches), a bad size or type, an unknown policy, or no
+            threshold on a machine without CUDA.
+
+    Examples:
+        >>> dtr = dict(eviction_threshold='3GB')
+        >>> dtr = dict(eviction_threshold='3GB', evictee_minimum_size='4MB',
+        ...            enable_sqrt_sampling=True, policy='dtr')
+        >>> # from the command line
+        >>> # --cfg-options dtr.eviction_threshold=3GB
+    """
+    return dict(type='mmdtr.DTRHook', **dtr_settings(value, KEY))
+
+
+@HOOKS.register_module()
+class DTRHook(Hook):
+    """Train with Dynamic Tensor Rematerialization (DTR).
+
+    Each training iteration's data preprocessing, forward and backward run
+    under a fresh :class:`~mmdtr.dtr.DTR` engine, closed before gradient
+    clipping and the optimizer step, and also on iterations that only
+    accumulate gradients or that raise. Validation and test loops never run
+    under it. Per iteration, the peak memory (MiB), evictions,
+    recomputations, rebuild time and eviction failures go to the message
+    hub as ``train/dtr_*`` scalars, shown by ``LoggerHook`` and the
+    visualizer backends.
+
+    Args:
+        eviction_threshold (int | str | None): Evict while the memory in use
+            is above it, e.g. ``'3GB'`` (binary units) or bytes. Required on
+            CPU, where the memory in use is the storages allocated during the
+            iteration (activations, gradients, rebuilt tensors; not the
+            parameters or optimizer states allocated before). On CUDA it is
+            ``torch.cuda.memory_allocated()``; None evicts only when an
+            allocation fails.
+        evictee_minimum_size (int | str): Smaller storages are never
+            evicted. Defaults to 1 MiB.
+        enable_sqrt_sampling (bool): Score about sqrt(N) sampled candidates
+            per eviction. Defaults to False.
+        policy (str): ``'dtr'``, ``'dtr_local'``, ``'lru'`` or
+            ``'largest'``. Defaults to ``'dtr'``.
+
+    Examples:
+        >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:
+        >>> custom_hooks = [
+        ...     dict(type='mmdtr.DTRHook', eviction_threshold='3GB')
+        ... ]
+    """
+
+    priority = 'NORMAL'
+
+    def __init__(self,
+                 eviction_threshold: Union[int, str, None] = None,
+                 evictee_minimum_size: Union[int, str] = 2**20,
+                 enable_sqrt_sampling: bool = False,
+                 policy='dtr'):
+        self.settings = dict(
+            eviction_threshold=eviction_threshold,
+            evictee_minimum_size=evictee_minimum_size,
+            enable_sqrt_sampling=enable_sqrt_sampling,
+            policy=policy)
+        dtr_settings(self.settings, KEY)
+        self.step: Optional[DTRTrainStep] = None
+        self._attached_to = None
+
+    @property
+    def stats(self) -> Optional[DTRStats]:
+        """The engine's statistics of the latest training iteration."""
+        return None if self.step is None else self.step.stats
+
+    def before_train(self, runner) -> None:
+        """Attach the engine to the training step of ``runner.model``."""
+        self._detach()  # left attached by a run that raised
+        model = runner.model
+        device = model_device(model)
+        if isinstance(model, DTRDistributedDataParallel):
+            self.step = model.enable_dtr(self.settings, runner.message_hub)
+            self._attached_to = model
+            where = f'{type(model).__name__}.train_step, one engine per rank'
+        else:
+            self.step = DTRTrainStep(self.settings, device, runner.message_hub)
+            model.train_step = functools.partial(self.step, model.train_step)
+            self._attached_to = model
+            where = f'{type(model).__name__}.train_step (by DTRHook)'
+        runner.logger.info(
+            f'Enabling the "{KEY}" feature (mmdtr) on {device}: '
+            f'{self.settings}, in {where}; forward and backward of each '
+            'training iteration run under DTR.')
+
+    def after_train(self, runner) -> None:
+        """Detach the engine: later calls of ``train_step`` run without."""
+        self._detach()
+
+    def _detach(self) -> None:
+        model, self._attached_to = self._attached_to, None
+        if isinstance(model, DTRDistributedDataParallel):
+            model.disable_dtr()
+        elif model is not None:
+            del model.train_step  # the class's own again

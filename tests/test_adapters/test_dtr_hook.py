@@ -1,0 +1,360 @@
+"""The ``dtr`` key, its translator and DTRHook, on a toy model."""
+import importlib.util
+import os.path as osp
+import uuid
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmengine.config import Config
+from mmengine.evaluator import BaseMetric
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, METRICS, MODELS
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from torch.utils.data import Dataset
+
+from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
+from mmdtr.adapters.dtr_model_wrapper import dtr_mode_active
+from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.core.sizes import parse_size
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import HOOKS
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+DTR_CFG = dict(eviction_threshold='96KB', evictee_minimum_size='4KB')
+cpu_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason='a threshold is optional on CUDA')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def single_thread():
+    """Two OpenMP threads spin against other processes on a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _FailInBackward(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError('boom in backward')
+
+
+@MODELS.register_module(force=True)
+class DTRHookToyNet(BaseModel):
+    """Conv-BN-ReLU blocks on 16x16 maps; records where DTR was on.
+
+    ``fail_at=(iteration, 'forward' | 'backward')`` raises there.
+    """
+
+    def __init__(self, fail_at=None):
+        super().__init__()
+        self.body = nn.Sequential(*[
+            nn.Sequential(
+                nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1),
+                nn.BatchNorm2d(8), nn.ReLU()) for i in range(4)
+        ])
+        self.head = nn.Linear(8, 2)
+        self.fail_at = fail_at
+        self.calls = 0
+        self.dtr_seen = {'loss': [], 'predict': []}
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        self.dtr_seen.setdefault(mode, []).append(dtr_mode_active())
+        x = self.body(inputs)
+        if mode == 'loss':
+            self.calls += 1
+            if self.fail_at == (self.calls, 'forward'):
+                raise RuntimeError('boom in forward')
+            if self.fail_at == (self.calls, 'backward'):
+                x = _FailInBackward.apply(x)
+        logits = self.head(x.mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, labels))
+        return logits
+
+
+@DATASETS.register_module(force=True)
+class DTRHookToyImages(Dataset):
+    metainfo = dict(classes=('a', 'b'))
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return dict(inputs=torch.randn(3, 16, 16, generator=g), labels=i % 2)
+
+
+@METRICS.register_module(force=True)
+class DTRHookToyMetric(BaseMetric):
+
+    def process(self, data_batch, data_samples):
+        self.results.append(len(data_samples))
+
+    def compute_metrics(self, results):
+        return dict(count=sum(results))
+
+
+def make_cfg(work_dir, **kwargs):
+    cfg = dict(
+        model=dict(type='DTRHookToyNet'),
+        work_dir=str(work_dir),
+        experiment_name=f'dtr_hook_{uuid.uuid4().hex}',
+        train_dataloader=dict(
+            dataset=dict(type='DTRHookToyImages'),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            batch_size=4,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=3),
+        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        default_hooks=dict(
+            checkpoint=None, logger=dict(type='LoggerHook', interval=1)),
+        randomness=dict(seed=0),
+        log_level='WARNING')
+    cfg.update(kwargs)
+    return Config(cfg)
+
+
+def dtr_hook(runner):
+    (hook, ) = [h for h in runner.hooks if isinstance(h, DTRHook)]
+    return hook
+
+
+def assert_thread_clean():
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not dtr_mode_active()
+
+
+@pytest.mark.parametrize('value, hook_cfg', [
+    (dict(eviction_threshold='3GB'), dict(eviction_threshold='3GB')),
+    (dict(
+        eviction_threshold=2**20,
+        evictee_minimum_size='4KB',
+        enable_sqrt_sampling=True,
+        policy='lru'),
+     dict(
+         eviction_threshold=2**20,
+         evictee_minimum_size='4KB',
+         enable_sqrt_sampling=True,
+         policy='lru')),
+])
+def test_translate_accepted(value, hook_cfg):
+    cfg = translate_dtr(Config(dict(dtr=value)).dtr)  # a ConfigDict
+    assert cfg == dict(type='mmdtr.DTRHook', **hook_cfg)
+    hook = HOOKS.build(cfg)
+    assert isinstance(hook, DTRHook)
+    assert DTR(**hook.settings).eviction_threshold == parse_size(
+        hook_cfg['eviction_threshold'])
+
+
+@pytest.mark.parametrize('value, text', [
+    ('3GB', "dtr='3GB' (str) is not accepted; expected a dict with the "
+     "keys ['eviction_threshold', 'evictee_minimum_size', "
+     "'enable_sqrt_sampling', 'policy']"),
+    (True, 'dtr=True (bool) is not accepted'),
+    (dict(eviction_treshold='3GB'), 'dtr.eviction_treshold is not a DTR '
+     "setting; accepted: ['eviction_threshold', 'evictee_minimum_size', "
+     "'enable_sqrt_sampling', 'policy'], closest matches: "
+     "['eviction_threshold']"),
+    (dict(eviction_threshold='3GB',
+          sqrt_sampling=True), "closest matches: ['enable_sqrt_sampling']"),
+    (dict(eviction_threshold='3XB'), "dtr={'eviction_threshold': '3XB'} is "
+     "not accepted: eviction_threshold='3XB' is not a size."),
+    (dict(eviction_threshold=-1), 'eviction_threshold=-1 is negative'),
+    (dict(eviction_threshold='1GB',
+          evictee_minimum_size=[1]), 'evictee_minimum_size=[1] is not a size'),
+    (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
+     "enable_sqrt_sampling='yes' is not a bool"),
+    (dict(eviction_threshold='1GB',
+          policy='fifo'), "policy='fifo' is not an eviction policy"),
+])
+def test_translate_rejects(value, text):
+    with pytest.raises(MmdtrError) as info:
+        translate_dtr(value)
+    message = str(info.value)
+    assert message.startswith('mmdtr: dtr')
+    assert text in message
+    assert 'Hint:' in message
+
+
+@cpu_only
+@pytest.mark.parametrize('value', [dict(), dict(eviction_threshold=None)])
+def test_cpu_needs_a_threshold(value):
+    with pytest.raises(
+            MmdtrError,
+            match='evicting on allocation failure '
+            'needs CUDA.*Hint: On CPU give a threshold'):
+        translate_dtr(value)
+    with pytest.raises(MmdtrError, match='needs CUDA'):
+        DTRHook(**value)
+
+
+@pytest.fixture(scope='module')
+def train_tool():
+    spec = importlib.util.spec_from_file_location(
+        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cfg_options_give_a_size_string(train_tool):
+    args = train_tool.parse_args([
+        osp.join(REPO, 'configs', 'gpt_synthetic.py'), '--cfg-options',
+        'dtr.eviction_threshold=3GB', 'dtr.enable_sqrt_sampling=true'
+    ])
+    assert args.cfg_options['dtr.eviction_threshold'] == '3GB'
+    cfg = train_tool.build_cfg(args)
+    assert 'dtr' not in cfg
+    assert cfg.custom_hooks[-1] == dict(
+        type='mmdtr.DTRHook',
+        eviction_threshold='3GB',
+        enable_sqrt_sampling=True)
+    hook = HOOKS.build(cfg.custom_hooks[-1])
+    assert parse_size(hook.settings['eviction_threshold']) == 3 * 2**30
+
+
+def test_bad_value_fails_before_training(train_tool, tmp_path, capsys):
+    config = osp.join(REPO, 'configs', 'gpt_synthetic.py')
+    with pytest.raises(SystemExit) as info:
+        train_tool.main([
+            config, '--work-dir',
+            str(tmp_path / 'tool'), '--cfg-options',
+            'dtr.eviction_threshold=3XB'
+        ])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "MmdtrError: mmdtr: dtr={'eviction_threshold': '3XB'}" in err
+    assert 'Traceback' not in err
+    assert not (tmp_path / 'tool').exists()  # nothing was started
+    bad = dict(eviction_threshold='1GB', polcy='lru')
+    with pytest.raises(MmdtrError, match=r"closest matches: \['policy'\]"):
+        MMDTRRunner.from_cfg(make_cfg(tmp_path / 'runner', dtr=bad))
+    with pytest.raises(MmdtrError, match='dtr.polcy'):
+        MMENGINE_RUNNERS.build(
+            make_cfg(tmp_path / 'type', runner_type='MMDTRRunner', dtr=bad))
+    assert not (tmp_path / 'runner').exists()
+    assert not (tmp_path / 'type').exists()
+
+
+def test_absent_or_none_is_off(tmp_path):
+    for cfg in (make_cfg(tmp_path), make_cfg(tmp_path, dtr=None)):
+        out = translate_memory_keys(cfg)
+        assert 'dtr' not in out
+        assert not any(h['type'] == 'mmdtr.DTRHook' for h in out.custom_hooks)
+
+
+@pytest.mark.parametrize('runner_type', [None, 'MMDTRRunner'])
+def test_training_under_dtr(tmp_path, runner_type):
+    plain = MMDTRRunner.from_cfg(make_cfg(tmp_path / 'plain'))
+    plain.train()
+    cfg = make_cfg(tmp_path / 'dtr', dtr=DTR_CFG)
+    if runner_type:  # what a downstream tools/train.py does
+        cfg.runner_type = runner_type
+        runner = MMENGINE_RUNNERS.build(cfg)
+    else:
+        runner = MMDTRRunner.from_cfg(cfg)
+    model = runner.model
+    runner.train()
+    assert_thread_clean()
+    assert model.dtr_seen['loss'] == [True] * 3
+    assert 'train_step' not in vars(model)  # detached after training
+    hook = dtr_hook(runner)
+    assert hook.stats.evictions > 0 and hook.stats.recomputations > 0
+    hub = runner.message_hub
+    evictions = hub.get_scalar('train/dtr_evictions').data[0]
+    assert list(evictions) == [hook.stats.evictions] * 3
+    peak = hub.get_scalar('train/dtr_peak_memory_mb').current()
+    assert peak == hook.stats.peak_memory / 2**20
+    for name, p in plain.model.named_parameters():
+        assert torch.equal(p, dict(model.named_parameters())[name]), name
+
+
+def test_validation_does_not_run_under_dtr(tmp_path):
+    cfg = make_cfg(
+        tmp_path,
+        dtr=DTR_CFG,
+        train_cfg=dict(by_epoch=False, max_iters=4, val_interval=2),
+        val_dataloader=dict(
+            dataset=dict(type='DTRHookToyImages'),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            batch_size=4,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        val_cfg=dict(type='ValLoop'),
+        val_evaluator=dict(type='DTRHookToyMetric'))
+    runner = MMDTRRunner.from_cfg(cfg)
+    runner.train()
+    seen = runner.model.dtr_seen
+    assert seen['loss'] == [True] * 4
+    assert seen['predict'] == [False] * 4  # 2 validations of 2 batches
+    runner.val()  # a standalone validation neither
+    assert seen['predict'][4:] == [False] * 2
+
+
+@pytest.mark.parametrize('where', ['forward', 'backward'])
+def test_exception_in_iteration_leaves_nothing(tmp_path, where):
+    runner = MMDTRRunner.from_cfg(
+        make_cfg(
+            tmp_path,
+            dtr=DTR_CFG,
+            model=dict(type='DTRHookToyNet', fail_at=(2, where))))
+    with pytest.raises(RuntimeError, match=f'boom in {where}'):
+        runner.train()
+    assert_thread_clean()
+    assert 'backward' not in vars(runner.optim_wrapper)
+    assert dtr_hook(runner).stats.evictions > 0  # the first iteration's
+    # the thread trains without DTR again
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    with DTR(eviction_threshold='1GB') as engine:
+        runner.model.body(x).sum().backward()
+    assert engine.stats.ops > 0
+    assert_thread_clean()
+    # training again attaches once, not on top of the first attachment
+    runner.model.fail_at = None
+    runner.train_loop._max_iters = runner.iter + 1
+    seen = runner.model.dtr_seen['loss']
+    before = len(seen)
+    runner.train()
+    assert runner.iter == 2 and seen[before:] == [True]
+    assert 'train_step' not in vars(runner.model)
+
+
+def test_one_engine_per_thread(tmp_path):
+    runner = MMDTRRunner.from_cfg(make_cfg(tmp_path, dtr=DTR_CFG))
+    with pytest.raises(MmdtrError, match='already active on this thread'):
+        with DTR(eviction_threshold='1GB'):
+            runner.train()
+    assert_thread_clean()
+
+
+def test_custom_hooks_route(tmp_path):
+    runner = MMDTRRunner.from_cfg(
+        make_cfg(
+            tmp_path,
+            custom_hooks=[dict(type='mmdtr.DTRHook', **DTR_CFG)],
+            log_level='INFO'))
+    runner.train()
+    hook = dtr_hook(runner)
+    assert hook.settings == dict(
+        DTR_CFG, enable_sqrt_sampling=False, policy='dtr')
+    assert hook.stats.evictions > 0
+    with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
+        text = f.read()
+    assert ('Enabling the "dtr" feature (mmdtr) on cpu: '
+            "{'eviction_threshold': '96KB', 'evictee_minimum_size': '4KB', "
+            "'enable_sqrt_sampling': False, 'policy': 'dtr'}, in "
+            'DTRHookToyNet.train_step (by DTRHook)') in text
+    assert 'dtr_evictions: ' in text
