@@ -1,0 +1,404 @@
+"""Training with the ``dtr`` key is bit-identical to training without it.
+
+Every workload config trains 3 small iterations three times through
+``MMDTRRunner``: without DTR; for 1 iteration under DTR at a huge
+threshold, to measure the baseline peak with the engine's own meter; and
+under DTR at 40% of that peak. Parameters and buffers must be equal bit for
+bit, with evictions and recomputations reported through the MessageHub and
+the log. Then the combinations (activation checkpointing, efficient Conv-BN
+eval, gradient accumulation, ``--resume``) on a toy model. The two-process
+run is in test_dtr_model_wrapper.py.
+
+Torch runs single-threaded here: on a shared 2-core box, OpenMP's two
+threads spin against other processes and make every run many times slower.
+"""
+import glob
+import importlib.util
+import json
+import os.path as osp
+import uuid
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, HOOKS, MODELS
+from torch.utils.data import Dataset
+
+from mmdtr.adapters.dtr_model_wrapper import SCALARS, dtr_mode_active
+from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.techniques.activation_checkpointing import is_checkpointed
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+CONFIGS = osp.join(REPO, 'configs')
+SMALL = {
+    'train_cfg.max_iters': 3,
+    'train_dataloader.batch_size': 2,
+    'default_hooks.logger.interval': 1,
+}
+SMALL_DATA = {
+    'SyntheticImageDataset': {
+        'train_dataloader.dataset.image_size': 64,
+        'train_dataloader.dataset.num_samples': 16,
+    },
+    'SyntheticTokenDataset': {
+        'model.num_layers': 2,
+        'model.embed_dims': 128,
+        'model.vocab_size': 1024,
+        'model.max_seq_len': 64,
+        'train_dataloader.dataset.vocab_size': 1024,
+        'train_dataloader.dataset.seq_len': 64,
+        'train_dataloader.dataset.num_samples': 16,
+    },
+}
+# every workload at 40% of its baseline peak; the other settings vary
+WORKLOADS = {
+    'resnet50_synthetic': dict(enable_sqrt_sampling=True),
+    'shufflenetv2_synthetic': dict(),
+    'spos_synthetic': dict(policy='dtr_local'),
+    'gpt_synthetic': dict(policy='lru'),
+}
+MIN_SIZE = 16 * 1024  # the workloads are small: let 16 KiB storages go
+
+
+@pytest.fixture(autouse=True, scope='module')
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def workload_cfg(name, work_dir, **options):
+    cfg = Config.fromfile(osp.join(CONFIGS, f'{name}.py'))
+    cfg.merge_from_dict(SMALL)
+    cfg.merge_from_dict(SMALL_DATA[cfg.train_dataloader.dataset.type])
+    cfg.merge_from_dict(options)
+    cfg.work_dir = str(work_dir)
+    cfg.experiment_name = f'{name}_{uuid.uuid4().hex[:8]}'
+    return cfg
+
+
+def train(cfg):
+    runner = MMDTRRunner.from_cfg(cfg)
+    runner.train()
+    return runner
+
+
+def dtr_history(runner):
+    """MessageHub name -> the values of every iteration."""
+    hub = runner.message_hub
+    return {name: list(hub.get_scalar(name).data[0]) for name in SCALARS}
+
+
+def assert_same_state(model_a, model_b):
+    params = dict(model_b.named_parameters())
+    for name, p in model_a.named_parameters():
+        assert torch.equal(p, params[name]), f'parameter {name} differs'
+    buffers = dict(model_b.named_buffers())
+    for name, b in model_a.named_buffers():
+        assert torch.equal(b, buffers[name]), f'buffer {name} differs'
+
+
+@pytest.mark.parametrize('name', sorted(WORKLOADS))
+def test_workload_bit_identical_under_dtr(name, tmp_path):
+    plain = train(workload_cfg(name, tmp_path / 'plain'))
+    assert 'train/dtr_evictions' not in plain.message_hub.log_scalars
+    probe = train(
+        workload_cfg(
+            name,
+            tmp_path / 'probe',
+            dtr=dict(eviction_threshold=2**60, evictee_minimum_size=MIN_SIZE),
+            **{'train_cfg.max_iters': 1}))
+    probe_stats = dtr_history(probe)
+    assert probe_stats['train/dtr_evictions'] == [0]
+    baseline_mb = probe_stats['train/dtr_peak_memory_mb'][0]
+    threshold = int(0.4 * baseline_mb * 2**20)
+
+    runner = train(
+        workload_cfg(
+            name,
+            tmp_path / 'dtr',
+            dtr=dict(
+                eviction_threshold=threshold,
+                evictee_minimum_size=MIN_SIZE,
+                **WORKLOADS[name])))
+    assert_same_state(plain.model, runner.model)
+    stats = dtr_history(runner)
+    assert all(len(values) == 3 for values in stats.values())
+    assert min(stats['train/dtr_evictions']) > 0
+    assert min(stats['train/dtr_recomputations']) > 0
+    assert stats['train/dtr_remat_seconds'][0] > 0
+    # the first iteration is the probe's: its peak went down under DTR
+    # (not to 40%: the gradients are counted and cannot be evicted)
+    assert stats['train/dtr_peak_memory_mb'][0] < baseline_mb
+    (log, ) = glob.glob(osp.join(runner.log_dir, '*.log'))
+    with open(log) as f:
+        text = f.read()
+    assert 'Enabling the "dtr" feature (mmdtr)' in text
+    last = [line for line in text.splitlines() if 'Iter(train) [3/3]' in line]
+    assert len(last) == 1
+    for key in ('dtr_peak_memory_mb: ', 'dtr_evictions: ',
+                'dtr_recomputations: ', 'dtr_remat_seconds: '):
+        assert key in last[0], last[0]
+    assert f"dtr_evictions: {stats['train/dtr_evictions'][-1]}" in last[0]
+    (scalars, ) = glob.glob(
+        osp.join(runner.log_dir, 'vis_data', 'scalars.json'))
+    with open(scalars) as f:
+        records = [json.loads(line) for line in f]
+    assert [r['dtr_evictions'] for r in records] == \
+        stats['train/dtr_evictions']
+
+
+# --- combinations, on a toy model -----------------------------------------
+class ComboStage(nn.Module):
+
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.blocks = nn.Sequential(*[
+            nn.Sequential(
+                nn.Conv2d(width, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
+        ])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+@MODELS.register_module(force=True)
+class DTRComboToyNet(BaseModel):
+    """Stem and two stages on 16x16 maps; ``norm_eval`` freezes the BNs."""
+
+    def __init__(self, norm_eval=False):
+        super().__init__()
+        self.norm_eval = norm_eval
+        self.backbone = nn.Module()
+        self.backbone.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.backbone.layer1 = ComboStage()
+        self.backbone.layer2 = ComboStage()
+        self.head = nn.Linear(8, 2)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_var.fill_(1.5)
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+        return self
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        x = self.backbone.stem(inputs)
+        x = self.backbone.layer2(self.backbone.layer1(x))
+        logits = self.head(x.mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, labels))
+        return logits
+
+
+@DATASETS.register_module(force=True)
+class DTRComboToyImages(Dataset):
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return dict(inputs=torch.randn(3, 16, 16, generator=g), labels=i % 2)
+
+
+@HOOKS.register_module(force=True)
+class DTRComboProbeHook(Hook):
+    """Counts optimizer steps; checks DTR is off at each step and after."""
+
+    def before_train(self, runner):
+        self.steps, self.active_at_step, self.stack_after = 0, [], []
+
+        def count(*args):
+            self.steps += 1
+            self.active_at_step.append(dtr_mode_active())
+
+        runner.optim_wrapper.optimizer.register_step_pre_hook(count)
+
+    def after_train_iter(self, runner, batch_idx, data_batch, outputs):
+        self.stack_after.append(torch._C._len_torch_dispatch_stack())
+
+
+# 4 samples of 8x16x16 per activation: 32 KiB
+COMBO_DTR = dict(eviction_threshold='160KB', evictee_minimum_size='8KB')
+
+
+def combo_cfg(work_dir, norm_eval=False, accumulate=1, **keys):
+    return Config(
+        dict(
+            model=dict(type='DTRComboToyNet', norm_eval=norm_eval),
+            work_dir=str(work_dir),
+            experiment_name=f'dtr_combo_{uuid.uuid4().hex}',
+            train_dataloader=dict(
+                dataset=dict(type='DTRComboToyImages'),
+                sampler=dict(type='DefaultSampler', shuffle=False),
+                batch_size=4,
+                num_workers=0,
+                collate_fn=dict(type='default_collate')),
+            train_cfg=dict(by_epoch=False, max_iters=4),
+            optim_wrapper=dict(
+                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+                accumulative_counts=accumulate),
+            custom_hooks=[dict(type='DTRComboProbeHook')],
+            default_hooks=dict(checkpoint=None),
+            randomness=dict(seed=0),
+            log_level='WARNING',
+            **keys))
+
+
+def train_combo(work_dir, **kwargs):
+    runner = train(combo_cfg(work_dir, **kwargs))
+    (probe, ) = [h for h in runner.hooks if isinstance(h, DTRComboProbeHook)]
+    assert probe.active_at_step == [False] * probe.steps
+    assert probe.stack_after == [0] * 4
+    return runner, probe
+
+
+@pytest.fixture(scope='module')
+def plain_combo(tmp_path_factory):
+    return train_combo(tmp_path_factory.mktemp('plain'))[0].model
+
+
+@pytest.mark.parametrize(
+    'checkpointing', [
+        'backbone.layer1',
+        'backbone.*',
+        dict(modules=['backbone.layer*'], policy='save_compute_heavy'),
+    ],
+    ids=['some', 'all', 'selective'])
+def test_dtr_with_activation_checkpointing(tmp_path, plain_combo,
+                                           checkpointing):
+    runner, _ = train_combo(
+        tmp_path, dtr=COMBO_DTR, activation_checkpointing=checkpointing)
+    assert is_checkpointed(runner.model.backbone.layer1)
+    assert_same_state(plain_combo, runner.model)
+    stats = dtr_history(runner)
+    assert len(stats['train/dtr_evictions']) == 4
+    # what checkpointing leaves saved (module inputs, the head, and with
+    # 'backbone.layer1' the stem and layer2) is DTR's to evict
+    assert min(stats['train/dtr_evictions']) > 0
+    assert min(stats['train/dtr_recomputations']) > 0
+
+
+def _pack_module(hooks):
+    return None if hooks is None else hooks[0].__module__
+
+
+def test_checkpoint_hooks_take_precedence_inside(tmp_path):
+    """Inside a checkpointed module autograd uses checkpoint's hooks."""
+    seen = {'inside': set(), 'outside': set()}
+
+    def probe(where):
+
+        def hook(module, args):
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            seen[where].add(_pack_module(top))
+
+        return hook
+
+    cfg = combo_cfg(
+        tmp_path, dtr=COMBO_DTR, activation_checkpointing='backbone.layer1')
+    cfg.train_cfg.max_iters = 1
+    runner = MMDTRRunner.from_cfg(cfg)
+    model = runner.model
+    model.backbone.layer1.blocks[1][0].register_forward_pre_hook(
+        probe('inside'))
+    model.backbone.layer2.blocks[0][0].register_forward_pre_hook(
+        probe('outside'))
+    runner.train()
+    assert seen['outside'] == {'mmdtr.core.engine'}  # DTR's pack
+    # in the forward and in the recompute of the backward
+    assert seen['inside'] == {'torch.utils.checkpoint'}
+
+
+def test_dtr_with_efficient_conv_bn_eval(tmp_path):
+    fused, _ = train_combo(
+        tmp_path / 'fused', norm_eval=True, efficient_conv_bn_eval='backbone')
+    both, _ = train_combo(
+        tmp_path / 'dtr',
+        norm_eval=True,
+        efficient_conv_bn_eval='backbone',
+        activation_checkpointing='backbone.layer2',
+        dtr=COMBO_DTR)
+    assert_same_state(fused.model, both.model)
+    stats = dtr_history(both)
+    assert min(stats['train/dtr_evictions']) > 0
+    assert min(stats['train/dtr_recomputations']) > 0
+
+
+def test_dtr_with_gradient_accumulation(tmp_path):
+    plain, steps = train_combo(tmp_path / 'plain', accumulate=2)
+    assert steps.steps == 2  # 4 iterations, 2 accumulated per step
+    runner, probe = train_combo(tmp_path / 'dtr', accumulate=2, dtr=COMBO_DTR)
+    assert probe.steps == 2  # closed before them; and after every iteration
+    assert_same_state(plain.model, runner.model)
+    stats = dtr_history(runner)
+    assert len(stats['train/dtr_evictions']) == 4  # stepping or not
+    assert min(stats['train/dtr_evictions']) > 0
+
+
+@pytest.fixture(scope='module')
+def train_tool():
+    spec = importlib.util.spec_from_file_location(
+        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RESUME_CONFIG = '''
+model = dict(type='DTRComboToyNet')
+train_dataloader = dict(
+    dataset=dict(type='DTRComboToyImages'),
+    sampler=dict(type='DefaultSampler', shuffle=True),
+    batch_size=4,
+    num_workers=0,
+    collate_fn=dict(type='default_collate'))
+train_cfg = dict(by_epoch=False, max_iters=6)
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+param_scheduler = dict(type='MultiStepLR', by_epoch=False, milestones=[4])
+default_hooks = dict(
+    checkpoint=dict(type='CheckpointHook', interval=3, by_epoch=False))
+randomness = dict(seed=0)
+log_level = 'WARNING'
+'''
+
+
+def test_dtr_with_resume(tmp_path, train_tool):
+    config = tmp_path / 'resume_cfg.py'
+    config.write_text(RESUME_CONFIG)
+    plain, resumed = tmp_path / 'plain', tmp_path / 'resumed'
+    train_tool.main([
+        str(config), '--work-dir',
+        str(plain), '--cfg-options', 'experiment_name=dtr_resume_plain'
+    ])
+    train_tool.main([
+        str(config), '--work-dir',
+        str(resumed), '--resume',
+        str(plain / 'iter_3.pth'), '--cfg-options',
+        'experiment_name=dtr_resume_dtr', 'dtr.eviction_threshold=160KB',
+        'dtr.evictee_minimum_size=8KB'
+    ])
+    expected = torch.load(str(plain / 'iter_6.pth'), weights_only=True)
+    got = torch.load(str(resumed / 'iter_6.pth'), weights_only=True)
+    assert got['meta']['iter'] == 6
+    for key, value in expected['state_dict'].items():
+        assert torch.equal(value, got['state_dict'][key]), key
+    momenta = [
+        s['momentum_buffer'] for s in got['optimizer']['state'].values()
+    ]
+    for i, state in expected['optimizer']['state'].items():
+        assert torch.equal(state['momentum_buffer'], momenta[i]), i
+    evictions = got['message_hub']['log_scalars']['train/dtr_evictions']
+    assert len(evictions.data[0]) == 3 and min(evictions.data[0]) > 0
