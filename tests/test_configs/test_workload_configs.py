@@ -47,7 +47,8 @@ def test_config_is_complete_and_consistent(path):
     assert cfg.train_cfg.max_iters <= 20
     assert cfg.optim_wrapper.type == 'OptimWrapper'
     loader = cfg.train_dataloader
-    assert loader.num_workers == 0 and loader.batch_size <= 8
+    # seconds per iteration on a CPU (the demo uses 16 to show savings)
+    assert loader.num_workers == 0 and loader.batch_size <= 16
     dataset, model = loader.dataset, cfg.model
     if dataset.type == 'SyntheticImageDataset':
         assert dataset.num_classes == model.num_classes
