@@ -2,12 +2,12 @@
 
 Each adapter module registers itself on import; add one line per module.
 """
-from . import config_translation  # noqa: F401
-from . import checkpoint_loading  # noqa: F401
-from . import distributed  # noqa: F401
-from . import runner  # noqa: F401
 from . import activation_checkpointing_hook  # noqa: F401
+from . import checkpoint_loading  # noqa: F401
+from . import config_translation  # noqa: F401
 from . import conv_bn_eval_hook  # noqa: F401
-from . import dtr_model_wrapper  # noqa: F401
+from . import distributed  # noqa: F401
 from . import dtr_hook  # noqa: F401
+from . import dtr_model_wrapper  # noqa: F401
 from . import inplace_optim_wrapper  # noqa: F401
+from . import runner  # noqa: F401
