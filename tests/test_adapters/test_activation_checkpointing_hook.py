@@ -1,13 +1,11 @@
 """The activation_checkpointing key and ActivationCheckpointingHook."""
 import glob
 import os.path as osp
-import uuid
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mmengine.config import Config
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, MODELS
 from mmengine.runner import Runner
@@ -69,24 +67,21 @@ class ACHookToyImages(Dataset):
         return dict(inputs=torch.randn(3, 8, 8, generator=g), labels=i % 2)
 
 
-def make_cfg(work_dir, **kwargs):
-    cfg = dict(
-        model=dict(type='ACHookToyNet'),
-        work_dir=str(work_dir),
-        experiment_name=f'ac_{uuid.uuid4().hex}',
-        train_dataloader=dict(
-            dataset=dict(type='ACHookToyImages'),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            batch_size=4,
-            num_workers=0,
-            collate_fn=dict(type='default_collate')),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        default_hooks=dict(checkpoint=None),
-        randomness=dict(seed=0),
-        log_level='INFO')
-    cfg.update(kwargs)
-    return Config(cfg)
+@pytest.fixture
+def make_cfg(toy_runner_cfg):
+
+    def make(work_dir, **kwargs):
+        return toy_runner_cfg(
+            work_dir,
+            'ACHookToyNet',
+            'ACHookToyImages',
+            'ac',
+            default_hooks=dict(checkpoint=None),
+            randomness=dict(seed=0),
+            log_level='INFO',
+            **kwargs)
+
+    return make
 
 
 @pytest.mark.parametrize('value, modules, policy', [
@@ -130,7 +125,7 @@ def test_translate_rejects(value, text):
     assert 'Hint:' in str(info.value)
 
 
-def test_translation_pops_the_key(tmp_path):
+def test_translation_pops_the_key(make_cfg, tmp_path):
     cfg = make_cfg(tmp_path, activation_checkpointing='backbone.layer1')
     out = translate_memory_keys(cfg)
     assert 'activation_checkpointing' not in out
@@ -142,7 +137,7 @@ def test_translation_pops_the_key(tmp_path):
         translate_memory_keys(make_cfg(tmp_path, activation_checkpointing=1))
 
 
-def test_runner_trains_with_mmdtr_checkpointing(tmp_path):
+def test_runner_trains_with_mmdtr_checkpointing(make_cfg, tmp_path):
     cfg = make_cfg(
         tmp_path,
         activation_checkpointing=dict(
@@ -168,7 +163,7 @@ def test_runner_trains_with_mmdtr_checkpointing(tmp_path):
             "['backbone.layer1', 'backbone.layer2']") in text
 
 
-def test_untranslated_key_gets_mmengine_thin_version(tmp_path):
+def test_untranslated_key_gets_mmengine_thin_version(make_cfg, tmp_path):
     """Control: MMEngine's own version breaks on keyword arguments."""
     cfg = make_cfg(tmp_path, activation_checkpointing=['backbone.layer1'])
     runner = Runner.from_cfg(cfg)
@@ -177,7 +172,7 @@ def test_untranslated_key_gets_mmengine_thin_version(tmp_path):
     assert not is_checkpointed(runner.model.backbone.layer1)
 
 
-def test_runner_unknown_module_fails_before_wrapping(tmp_path):
+def test_runner_unknown_module_fails_before_wrapping(make_cfg, tmp_path):
     cfg = make_cfg(
         tmp_path,
         activation_checkpointing=['backbone.layer1', 'backbone.layr2'])

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mmcv.cnn import ConvModule
-from mmengine.config import Config
 from mmengine.logging import MMLogger
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, MODELS
@@ -72,24 +71,21 @@ class ConvBnHookToyImages(Dataset):
         return dict(inputs=torch.randn(3, 8, 8, generator=g), labels=i % 2)
 
 
-def make_cfg(work_dir, **kwargs):
-    cfg = dict(
-        model=dict(type='ConvBnHookToyNet'),
-        work_dir=str(work_dir),
-        experiment_name=f'cbe_{uuid.uuid4().hex}',
-        train_dataloader=dict(
-            dataset=dict(type='ConvBnHookToyImages'),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            batch_size=4,
-            num_workers=0,
-            collate_fn=dict(type='default_collate')),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        default_hooks=dict(checkpoint=None),
-        randomness=dict(seed=0),
-        log_level='INFO')
-    cfg.update(kwargs)
-    return Config(cfg)
+@pytest.fixture
+def make_cfg(toy_runner_cfg):
+
+    def make(work_dir, **kwargs):
+        return toy_runner_cfg(
+            work_dir,
+            'ConvBnHookToyNet',
+            'ConvBnHookToyImages',
+            'cbe',
+            default_hooks=dict(checkpoint=None),
+            randomness=dict(seed=0),
+            log_level='INFO',
+            **kwargs)
+
+    return make
 
 
 @pytest.mark.parametrize('value, modules', [('backbone', ['backbone']),
@@ -122,7 +118,7 @@ def test_mmcv_conv_module_support():
     assert not mmcv_conv_module_support(nn.Conv2d(2, 2, 1))
 
 
-def test_hook_matches_plain_and_logs(tmp_path):
+def test_hook_matches_plain_and_logs(make_cfg, tmp_path):
     cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone', 'head'])
     runner = Runner.from_cfg(translate_memory_keys(cfg))
     assert 'efficient_conv_bn_eval' not in runner.cfg  # not MMEngine's
@@ -165,7 +161,7 @@ def test_hook_matches_plain_and_logs(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_unknown_name_raises_on_train(tmp_path):
+def test_unknown_name_raises_on_train(make_cfg, tmp_path):
     cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone.stm'])
     runner = Runner.from_cfg(translate_memory_keys(cfg))
     with pytest.raises(MmdtrError, match=r"closest matches: \['backbone"):

@@ -1,17 +1,14 @@
 """Distributed training on CPU with gloo: in process, and two processes."""
 import os
 import os.path as osp
-import socket
 import subprocess
 import uuid
 
 import pytest
 import torch
 import torch.distributed as torch_dist
-from mmengine.model import BaseModel, MMDistributedDataParallel
-from mmengine.registry import DATASETS, MODELS
+from mmengine.model import MMDistributedDataParallel
 from torch import nn
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
                                         init_cpu_dist)
@@ -102,69 +99,18 @@ randomness = dict(seed=0)
 '''
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
-@MODELS.register_module(force=True)
-class InProcessToyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        out = self.fc(inputs)
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(out, labels))
-        return out
-
-
-@DATASETS.register_module(force=True)
-class InProcessToyDataset(Dataset):
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        return dict(inputs=torch.full((3, ), float(i)), labels=i % 2)
-
-
-@pytest.fixture
-def single_rank_env(monkeypatch):
-    """torchrun's variables for a one-process job; the group is torn down."""
-    saved = dict(os.environ)
-    for key, value in dict(
-            RANK='0',
-            WORLD_SIZE='1',
-            LOCAL_RANK='0',
-            MASTER_ADDR='127.0.0.1',
-            MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
-    yield
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @cpu_only
-def test_runner_uses_gloo_and_cpu_wrapper(single_rank_env, tmp_path):
+def test_runner_uses_gloo_and_cpu_wrapper(single_rank_env, tmp_path,
+                                          toy_runner_cfg):
     runner = MMDTRRunner.from_cfg(
-        dict(
-            model=dict(type='InProcessToyModel'),
-            work_dir=str(tmp_path),
-            experiment_name=f'dist_{uuid.uuid4().hex}',
-            train_dataloader=dict(
-                dataset=dict(type='InProcessToyDataset'),
-                sampler=dict(type='DefaultSampler', shuffle=True),
-                batch_size=2,
-                num_workers=0,
-                collate_fn=dict(type='default_collate')),
-            train_cfg=dict(by_epoch=False, max_iters=2),
-            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+        toy_runner_cfg(
+            tmp_path,
+            'LinearToyModel',
+            'RangeToyDataset',
+            'dist',
+            batch_size=2,
+            shuffle=True,
+            config=False,
             launcher='pytorch',  # env_cfg left at MMEngine's nccl default
             log_level='WARNING'))
     assert torch_dist.get_backend() == 'gloo'
@@ -178,7 +124,7 @@ def test_model_wrapper_cfg_is_respected(single_rank_env, tmp_path):
     init_cpu_dist('pytorch')
     runner = MMDTRRunner.from_cfg(
         dict(
-            model=dict(type='InProcessToyModel'),
+            model=dict(type='LinearToyModel'),
             work_dir=str(tmp_path),
             experiment_name=f'dist_{uuid.uuid4().hex}',
             launcher='pytorch',
@@ -214,7 +160,7 @@ def test_init_cpu_dist_errors(monkeypatch):
 
 
 @cpu_only
-def test_two_process_gloo_run(tmp_path):
+def test_two_process_gloo_run(tmp_path, free_port):
     (tmp_path / 'dist_toy.py').write_text(TOY_MODULE)
     config = tmp_path / 'dist_cfg.py'
     config.write_text(TOY_CONFIG)

@@ -7,7 +7,6 @@ group; then two processes train a workload config through
 import copy
 import os
 import os.path as osp
-import socket
 import subprocess
 import uuid
 
@@ -41,13 +40,7 @@ cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason='tests the CPU-only path')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def single_thread():
-    """Two OpenMP threads spin against other processes on a shared box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('single_thread')
 
 
 @MODELS.register_module(force=True)
@@ -89,30 +82,6 @@ def batch(i):
     return dict(
         inputs=torch.stack([d['inputs'] for d in data]),
         labels=torch.tensor([d['labels'] for d in data]))
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def single_rank(monkeypatch):
-    """A one-process gloo group; torn down afterwards."""
-    saved = dict(os.environ)
-    for key, value in dict(
-            RANK='0',
-            WORLD_SIZE='1',
-            LOCAL_RANK='0',
-            MASTER_ADDR='127.0.0.1',
-            MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
-    yield
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_registered_names():
@@ -177,7 +146,7 @@ def test_train_step_keeps_an_instance_backward_and_refuses_misuse():
         dict(static_graph=True),
     ],
     ids=['unused', 'bucket_view', 'broadcast_buffers', 'static_graph'])
-def test_ddp_gradients_bit_identical(single_rank, ddp_kwargs):
+def test_ddp_gradients_bit_identical(single_rank_env, ddp_kwargs):
     init_cpu_dist('pytorch')
     torch.manual_seed(0)
     model = DTRWrapperToyNet()
@@ -216,7 +185,7 @@ def test_ddp_gradients_bit_identical(single_rank, ddp_kwargs):
 
 
 @cpu_only
-def test_wrapper_settings_are_validated(single_rank):
+def test_wrapper_settings_are_validated(single_rank_env):
     init_cpu_dist('pytorch')
     with pytest.raises(
             MmdtrError,
@@ -233,27 +202,27 @@ def test_wrapper_settings_are_validated(single_rank):
     assert wrapped.dtr_step is None
 
 
-def runner_cfg(work_dir, **kwargs):
-    return dict(
-        model=dict(type='DTRWrapperToyNet'),
-        work_dir=str(work_dir),
-        experiment_name=f'dtr_wrapper_{uuid.uuid4().hex}',
-        train_dataloader=dict(
-            dataset=dict(type='DTRWrapperToyImages'),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            batch_size=4,
-            num_workers=0,
-            collate_fn=dict(type='default_collate')),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        default_hooks=dict(checkpoint=None),
-        launcher='pytorch',
-        log_level='WARNING',
-        **kwargs)
+@pytest.fixture
+def runner_cfg(toy_runner_cfg):
+
+    def make(work_dir, **kwargs):
+        return toy_runner_cfg(
+            work_dir,
+            'DTRWrapperToyNet',
+            'DTRWrapperToyImages',
+            'dtr_wrapper',
+            config=False,
+            default_hooks=dict(checkpoint=None),
+            launcher='pytorch',
+            log_level='WARNING',
+            **kwargs)
+
+    return make
 
 
 @cpu_only
-def test_hook_hands_its_settings_to_the_wrapper(single_rank, tmp_path):
+def test_hook_hands_its_settings_to_the_wrapper(single_rank_env, tmp_path,
+                                                runner_cfg):
     runner = MMDTRRunner.from_cfg(
         runner_cfg(
             tmp_path,
@@ -272,7 +241,8 @@ def test_hook_hands_its_settings_to_the_wrapper(single_rank, tmp_path):
 
 
 @cpu_only
-def test_wrapper_alone_and_configured_twice(single_rank, tmp_path):
+def test_wrapper_alone_and_configured_twice(single_rank_env, tmp_path,
+                                            runner_cfg):
     wrapper_cfg = dict(
         type='mmdtr.DTRDistributedDataParallel',
         dtr=DTR_CFG,
@@ -359,8 +329,8 @@ def baseline_peak_kib(work_dir):
         'train/dtr_peak_memory_mb').current() * 1024
 
 
-def dist_train(tmp_path, config, work_dir, *options):
-    env = dict(os.environ, PORT=str(free_port()), OMP_NUM_THREADS='1')
+def dist_train(tmp_path, port, config, work_dir, *options):
+    env = dict(os.environ, PORT=str(port), OMP_NUM_THREADS='1')
     env['PYTHONPATH'] = os.pathsep.join(
         [str(tmp_path), REPO, env.get('PYTHONPATH', '')])
     args = ['--cfg-options', *options] if options else []
@@ -384,13 +354,15 @@ def dist_train(tmp_path, config, work_dir, *options):
 
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason='tests the gloo CPU path')
-def test_two_process_run_bit_identical(tmp_path):
+def test_two_process_run_bit_identical(tmp_path, free_port):
     (tmp_path / 'dtr_dump.py').write_text(DUMP_MODULE)
     config = tmp_path / 'gpt_dist.py'
     config.write_text(DIST_CONFIG)
     threshold = f'{int(0.4 * baseline_peak_kib(tmp_path / "probe"))}KB'
-    _, plain = dist_train(tmp_path, str(config), tmp_path / 'plain')
-    out, ranks = dist_train(tmp_path, str(config), tmp_path / 'dtr',
+    _, plain = dist_train(tmp_path, free_port(), str(config),
+                          tmp_path / 'plain')
+    out, ranks = dist_train(tmp_path, free_port(), str(config),
+                            tmp_path / 'dtr',
                             f'dtr.eviction_threshold={threshold}',
                             'dtr.evictee_minimum_size=16KB')
     assert 'backend gloo, world size 2' in out

@@ -1,19 +1,12 @@
 """MMDTRRunner: registered names, and memory keys translated exactly once."""
 import copy
-import importlib.util
-import os.path as osp
-import uuid
 
 import pytest
 import torch
-from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.registry import HOOKS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import DefaultScope
-from torch import nn
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
                                                memory_key)
@@ -21,32 +14,7 @@ from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import RUNNERS
 
-REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 DUMMY_KEY = '_mmdtr_test_dummy_key'
-
-
-@MODELS.register_module(force=True)
-class RunnerToyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        out = self.fc(inputs)
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(out, labels))
-        return out
-
-
-@DATASETS.register_module(force=True)
-class RunnerToyDataset(Dataset):
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        return dict(inputs=torch.full((3, ), float(i)), labels=i % 2)
 
 
 @HOOKS.register_module(force=True)
@@ -72,30 +40,20 @@ def dummy_key():
     MEMORY_KEY_TRANSLATORS.pop(DUMMY_KEY)
 
 
-def make_cfg(work_dir, **kwargs):
-    cfg = dict(
-        model=dict(type='RunnerToyModel'),
-        work_dir=str(work_dir),
-        experiment_name=f'runner_{uuid.uuid4().hex}',
-        train_dataloader=dict(
-            dataset=dict(type='RunnerToyDataset'),
-            sampler=dict(type='DefaultSampler', shuffle=False),
+@pytest.fixture
+def make_cfg(toy_runner_cfg):
+
+    def make(work_dir, **kwargs):
+        return toy_runner_cfg(
+            work_dir,
+            'LinearToyModel',
+            'RangeToyDataset',
+            'runner',
             batch_size=2,
-            num_workers=0,
-            collate_fn=dict(type='default_collate')),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        log_level='WARNING')
-    cfg.update(kwargs)
-    return Config(cfg)
+            log_level='WARNING',
+            **kwargs)
 
-
-def load_train_tool():
-    spec = importlib.util.spec_from_file_location(
-        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return make
 
 
 def test_registered_names():
@@ -108,21 +66,21 @@ def test_registered_names():
             assert registry.get('MMDTRRunner') is MMDTRRunner
 
 
-def _from_cfg(cfg):
+def _from_cfg(cfg, load_train_tool):
     return MMDTRRunner.from_cfg(cfg)
 
 
 def _downstream_build(runner_type):
     """What a downstream tools/train.py does with ``runner_type``."""
 
-    def build(cfg):
+    def build(cfg, load_train_tool):
         cfg.runner_type = runner_type
         return MMENGINE_RUNNERS.build(cfg)
 
     return build
 
 
-def _train_tool(cfg):
+def _train_tool(cfg, load_train_tool):
     # tools/train.py translates, then builds: the runner must not redo it
     tool = load_train_tool()
     return tool.build_runner(tool.translate_memory_keys(cfg))
@@ -135,9 +93,10 @@ def _train_tool(cfg):
         _downstream_build('mmdtr.MMDTRRunner'), _train_tool
     ],
     ids=['from_cfg', 'runner_type', 'scoped_type', 'train_tool'])
-def test_memory_keys_translated_once(dummy_key, tmp_path, build):
+def test_memory_keys_translated_once(make_cfg, load_train_tool, dummy_key,
+                                     tmp_path, build):
     cfg = make_cfg(tmp_path, **{DUMMY_KEY: 'on'})
-    runner = build(cfg)
+    runner = build(cfg, load_train_tool)
     assert isinstance(runner, MMDTRRunner)
     assert dummy_key == ['on']
     hooks = [h for h in runner.hooks if isinstance(h, DummyMemoryHook)]
@@ -148,25 +107,26 @@ def test_memory_keys_translated_once(dummy_key, tmp_path, build):
     assert runner.iter == 2
 
 
-def test_absent_key_adds_no_hook(dummy_key, tmp_path):
+def test_absent_key_adds_no_hook(make_cfg, dummy_key, tmp_path):
     runner = MMDTRRunner.from_cfg(make_cfg(tmp_path))
     assert dummy_key == []
     assert not any(isinstance(h, DummyMemoryHook) for h in runner.hooks)
 
 
-def test_bad_key_fails_before_building(dummy_key, tmp_path):
+def test_bad_key_fails_before_building(make_cfg, dummy_key, tmp_path):
     cfg = make_cfg(tmp_path / 'never', **{DUMMY_KEY: 'bad'})
     with pytest.raises(MmdtrError, match=DUMMY_KEY):
         MMDTRRunner.from_cfg(cfg)
     assert not (tmp_path / 'never').exists()
 
 
-def test_plain_dict_config(dummy_key, tmp_path):
+def test_plain_dict_config(make_cfg, linear_toy_model, dummy_key,
+                           tmp_path):
     cfg = copy.deepcopy(make_cfg(tmp_path, **{DUMMY_KEY: 3}).to_dict())
     runner = MMDTRRunner.from_cfg(cfg)
     assert dummy_key == [3]
     assert not runner.distributed
-    assert isinstance(runner.model, RunnerToyModel)  # not wrapped
+    assert isinstance(runner.model, linear_toy_model)  # not wrapped
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
@@ -177,7 +137,7 @@ def test_plain_dict_config(dummy_key, tmp_path):
         gen=dict(type='AmpOptimWrapper', optimizer=dict(type='SGD')),
         disc=dict(type='OptimWrapper', optimizer=dict(type='SGD'))),
 ])
-def test_amp_on_cpu_raises(tmp_path, optim_wrapper):
+def test_amp_on_cpu_raises(make_cfg, tmp_path, optim_wrapper):
     with pytest.raises(MmdtrError, match='AmpOptimWrapper'):
         check_amp_available(optim_wrapper)
     cfg = make_cfg(tmp_path, optim_wrapper=optim_wrapper)

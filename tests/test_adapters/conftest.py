@@ -1,0 +1,160 @@
+"""Scaffolding shared by the adapter tests, handed out as fixtures.
+
+Test modules cannot import each other (``--import-mode=importlib``), so
+what they share lives here: the single-thread switch, a free TCP port and a
+one-rank process group, ``tools/train.py`` as a module, a toy runner config
+factory, and a tiny linear model and dataset registered with MMEngine.
+"""
+import importlib.util
+import os
+import os.path as osp
+import socket
+import uuid
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from mmengine.config import Config
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from torch import nn
+from torch.utils.data import Dataset
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+
+@pytest.fixture(scope='module')
+def single_thread():
+    """Two OpenMP threads spin against other processes on a shared box.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope='session')
+def free_port():
+    """``free_port()`` -> a TCP port on 127.0.0.1 free right now."""
+    return _free_port
+
+
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """torchrun's variables for a one-process job; the group is torn down."""
+    saved = dict(os.environ)
+    for key, value in dict(
+            RANK='0',
+            WORLD_SIZE='1',
+            LOCAL_RANK='0',
+            MASTER_ADDR='127.0.0.1',
+            MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    yield
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _load_train_tool():
+    spec = importlib.util.spec_from_file_location(
+        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='session')
+def load_train_tool():
+    """``load_train_tool()`` -> a fresh import of ``tools/train.py``."""
+    return _load_train_tool
+
+
+@pytest.fixture(scope='module')
+def train_tool():
+    """``tools/train.py`` imported once per test module."""
+    return _load_train_tool()
+
+
+def _toy_runner_cfg(work_dir,
+                    model,
+                    dataset,
+                    name,
+                    *,
+                    batch_size=4,
+                    shuffle=False,
+                    max_iters=2,
+                    optimizer=None,
+                    config=True,
+                    **keys):
+    """A small iteration-based training config for a registered toy model.
+
+    ``model`` and ``dataset`` are registered type names; ``name`` prefixes
+    a unique experiment name. ``optimizer`` defaults to SGD with lr=0.1.
+    Every other key (``default_hooks``, ``randomness``, ``log_level``...)
+    is set as given, after the common ones. ``config=False`` returns the
+    plain dict instead of a ``Config``.
+    """
+    cfg = dict(
+        model=dict(type=model),
+        work_dir=str(work_dir),
+        experiment_name=f'{name}_{uuid.uuid4().hex}',
+        train_dataloader=dict(
+            dataset=dict(type=dataset),
+            sampler=dict(type='DefaultSampler', shuffle=shuffle),
+            batch_size=batch_size,
+            num_workers=0,
+            collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=max_iters),
+        optim_wrapper=dict(
+            optimizer=dict(type='SGD', lr=0.1
+                           ) if optimizer is None else optimizer))
+    cfg.update(keys)
+    return Config(cfg) if config else cfg
+
+
+@pytest.fixture(scope='session')
+def toy_runner_cfg():
+    """The factory :func:`_toy_runner_cfg`."""
+    return _toy_runner_cfg
+
+
+@MODELS.register_module(force=True)
+class LinearToyModel(BaseModel):
+    """One ``Linear(3, 2)``; inputs of shape (N, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        out = self.fc(inputs)
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(out, labels))
+        return out
+
+
+@DATASETS.register_module(force=True)
+class RangeToyDataset(Dataset):
+    """8 samples: ``inputs`` is (i, i, i), ``labels`` is i % 2."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return dict(inputs=torch.full((3, ), float(i)), labels=i % 2)
+
+
+@pytest.fixture(scope='session')
+def linear_toy_model():
+    """The class registered as ``LinearToyModel``."""
+    return LinearToyModel
