@@ -1,0 +1,226 @@
+"""What the benchmark writes: ``results.json``, ``benchmark.md``, plots.
+
+``results.json`` holds ``meta`` (machine and software, refreshed by every
+invocation) and one section per benchmark that has run (``sweep``,
+``compare``, ``largest_batch``), each with the ``settings`` it ran with.
+Running one benchmark replaces its section and keeps the others, so the
+table and the plots always show every section of the work dir.
+"""
+import json
+import os
+import os.path as osp
+import platform
+from typing import List, Optional
+
+import torch
+
+from mmdtr.core.sizes import format_size
+
+#: Slowdown targets of the engine issue (ResNet-50 CPU step, batch >= 8):
+#: ``None`` is a threshold above the peak (no eviction).
+TARGETS = {None: 1.05, 0.5: 1.15, 0.25: 1.35}
+SECTIONS = ('sweep', 'compare', 'largest_batch')
+
+
+def machine_info(device: str) -> dict:
+    """The machine and software the runs ran on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            names = [
+                ln.split(':', 1)[1].strip() for ln in f
+                if ln.startswith('model name')
+            ]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info = dict(
+        cpu=cpu,
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        device=device)
+    try:
+        import mmengine
+        info['mmengine'] = mmengine.__version__
+    except ImportError:  # pragma: no cover - mmdtr requires it
+        pass
+    if hasattr(os, 'getloadavg'):
+        info['load_average'] = [round(x, 2) for x in os.getloadavg()]
+    if device.startswith('cuda') and torch.cuda.is_available():
+        info['gpu'] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def update_results(path: str, meta: dict, section: str, data) -> dict:
+    """Write ``data`` as ``section`` of the JSON at ``path``; return all."""
+    results = {}
+    if osp.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    results['meta'] = meta
+    results[section] = data
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(results, f, indent=2)
+    return results
+
+
+def _mib(nbytes) -> str:
+    return '-' if nbytes is None else f'{nbytes / 2**20:.1f}'
+
+
+def _num(value, fmt: str = '.1f') -> str:
+    return '-' if value is None else format(value, fmt)
+
+
+def _threshold(record: dict) -> str:
+    threshold = record.get('threshold')
+    if record['technique'] != 'dtr' or threshold is None:
+        return '-'
+    if threshold >= 2**60:
+        return 'none reached'
+    text = format_size(threshold)
+    if record.get('fraction') is not None:
+        text += f" ({record['fraction']:g}x peak)"
+    return text
+
+
+def _slowdown(record: dict, base: Optional[float]) -> Optional[float]:
+    step = record.get('median_step_s')
+    return step / base if step is not None and base else None
+
+
+def _target(record: dict, slowdown: Optional[float]) -> str:
+    if record['technique'] != 'dtr':
+        return ''
+    threshold = record.get('threshold') or 0
+    key = None if threshold >= 2**60 else record.get('fraction', 'other')
+    if key not in TARGETS:
+        return ''
+    if slowdown is None:
+        return f'<= {TARGETS[key]}x: -'
+    met = 'met' if slowdown <= TARGETS[key] else 'missed'
+    return f'<= {TARGETS[key]}x: {met}'
+
+
+def _baseline_step(records: List[dict]) -> Optional[float]:
+    for record in records:
+        if record['technique'] == 'baseline':
+            return record.get('median_step_s')
+    return None
+
+
+def _run_table(records: List[dict], extra: str) -> List[str]:
+    base = _baseline_step(records)
+    head = ('| run | threshold | peak, engine (MiB) | peak, independent '
+            '(MiB) | step (s, median) | vs baseline | evictions | '
+            'recomputations | eviction failures | ' + extra + ' | status |')
+    lines = [head, '|' + ' --- |' * len(head.strip('|').split('|'))]
+    for r in records:
+        slowdown = _slowdown(r, base)
+        extra_cell = (
+            _target(r, slowdown)
+            if extra == 'target' else r.get('applied') or '')
+        status = r['status'] + (f": {r['error']}" if r.get('error') else '')
+        lines.append(
+            f"| {r['name']} | {_threshold(r)} | {_mib(r.get('peak_engine'))}"
+            f" | {_mib(r.get('peak_independent'))} | "
+            f"{_num(r.get('median_step_s'), '.3f')} | "
+            f"{_num(slowdown, '.2f')}{'x' if slowdown else ''} | "
+            f"{_num(r.get('evictions'))} | {_num(r.get('recomputations'))} | "
+            f"{_num(r.get('eviction_failures'))} | {extra_cell} | "
+            f"{status.replace('|', '/')} |")
+    return lines
+
+
+def _settings_line(settings: dict) -> str:
+    keys = ('config', 'batch_size', 'image_size', 'seq_len', 'device',
+            'warmup', 'steps', 'optimizer')
+    return ', '.join(f'{k}={settings.get(k)}' for k in keys
+                     if settings.get(k) is not None)
+
+
+def markdown(results: dict) -> str:
+    """The tables of every section of ``results``."""
+    meta = results.get('meta', {})
+    lines = [
+        '# Benchmark', '',
+        f"Machine: {meta.get('cpu')} ({meta.get('cpu_count')} CPUs, "
+        f"{meta.get('torch_threads')} torch threads), torch "
+        f"{meta.get('torch')}, mmengine {meta.get('mmengine')}, device "
+        f"{meta.get('device')}{', ' + meta['gpu'] if meta.get('gpu') else ''}"
+        f"; load average at start {meta.get('load_average')}.", '',
+        'Peaks: engine = the DTR engine\'s meter (runs without DTR: one '
+        'extra step under an engine that never evicts); independent = '
+        'torch.profiler memory events (CPU) or '
+        'torch.cuda.max_memory_allocated (CUDA). Evictions, recomputations '
+        'and eviction failures are per step.', ''
+    ]
+    if 'sweep' in results:
+        section = results['sweep']
+        lines += [
+            '## Threshold sweep', '',
+            _settings_line(section['settings']) +
+            f", policy={section['settings'].get('policy')}", ''
+        ]
+        lines += _run_table(section['runs'], 'target') + ['']
+    if 'compare' in results:
+        section = results['compare']
+        lines += [
+            '## Alternatives at the same memory', '',
+            _settings_line(section['settings']) +
+            f", DTR threshold matched to {section['settings']['match']}", ''
+        ]
+        lines += _run_table(section['runs'], 'what') + ['']
+    if 'largest_batch' in results:
+        section = results['largest_batch']
+        data = section['result']
+        cuda = str(section['settings'].get('device')).startswith('cuda')
+        lines += [
+            '## Largest batch', '',
+            _settings_line(section['settings']) +
+            f", capacity={format_size(data['capacity'])}, "
+            f"max batch={data['max_batch']}, policy={data['policy']}, "
+            f"DTR threshold=capacity - {format_size(data['headroom'])}; "
+            f"fits: {data['criterion']}.", '',
+            '| technique | largest batch | peak at it (MiB, '
+            f"{'max_memory_allocated' if cuda else 'engine'}) | "
+            'batches tried (fits) |', '| --- | --- | --- | --- |'
+        ]
+        for technique in ('baseline', 'dtr'):
+            entry = data[technique]
+            best = entry['largest_batch']
+            peaks = [
+                p['peak_independent'] if cuda else p['peak_engine']
+                for p in entry['probes']
+                if p['batch_size'] == best and p['fits']
+            ]
+            tried = ', '.join(
+                f"{p['batch_size']} ({'yes' if p['fits'] else 'no'})"
+                for p in entry['probes'])
+            if entry.get('error'):
+                best = f"failed ({entry['error']})".replace('|', '/')
+            lines.append(f'| {technique} | {best} | '
+                         f'{_mib(peaks[0] if peaks else None)} | {tried} |')
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def write_report(results: dict, work_dir: str) -> List[str]:
+    """Write ``benchmark.md`` and the plots; return the paths written."""
+    from .plots import plot_sweep, plot_time_vs_peak
+    path = osp.join(work_dir, 'benchmark.md')
+    with open(path, 'w') as f:
+        f.write(markdown(results))
+    written = [path]
+    if 'sweep' in results:
+        written.append(
+            plot_sweep(results['sweep']['runs'],
+                       osp.join(work_dir, 'sweep.png')))
+    if 'sweep' in results or 'compare' in results:
+        written.append(
+            plot_time_vs_peak(results, osp.join(work_dir, 'time_vs_peak.png')))
+    return written

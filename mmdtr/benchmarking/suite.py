@@ -1,0 +1,337 @@
+"""The three benchmarks: threshold sweep, alternatives, largest batch.
+
+:class:`BenchmarkSuite` turns the tool's settings into run specs, starts
+each run in its own process (:class:`~.launch.Launcher`) and returns
+JSON-able records: the run's result with its name, technique, policy,
+threshold and batch size. Identical specs are run once per suite.
+"""
+import json
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from mmdtr.core.policies import POLICIES
+from .launch import Launcher, Progress
+from .worker import make_spec
+from .workloads import NO_EVICTION
+
+#: The techniques compared with DTR at the same memory.
+ALTERNATIVES = ('checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac')
+#: Probe statuses that mean "does not fit" (CUDA OOM; killed, e.g. by the
+#: kernel's OOM killer); any other failure stops the search.
+_NOT_FITTING = ('oom', 'killed')
+
+
+class _ProbeFailed(Exception):
+
+    def __init__(self, record: dict):
+        super().__init__(record.get('error'))
+        self.record = record
+
+
+def largest_fitting(fits: Callable[[int], bool],
+                    max_batch: int,
+                    start: int = 1) -> Tuple[int, Dict[int, bool]]:
+    """Largest batch for which ``fits`` holds: doubling, then bisecting.
+
+    ``fits`` is assumed monotone (true up to some batch, false above).
+
+    Args:
+        fits (Callable[[int], bool]): Whether a batch size fits.
+        max_batch (int): Largest batch tried.
+        start (int): First batch tried; the doubling starts there.
+            Defaults to 1.
+
+    Returns:
+        tuple: ``(largest, probes)``: the largest fitting batch (0 when
+        none does) and every batch tried with its outcome.
+    """
+    probes: Dict[int, bool] = {}
+
+    def probe(batch: int) -> bool:
+        if batch not in probes:
+            probes[batch] = bool(fits(batch))
+        return probes[batch]
+
+    start = max(1, min(start, max_batch))
+    good, bad, batch = 0, None, start
+    while batch <= max_batch:
+        if not probe(batch):
+            bad = batch
+            break
+        good, batch = batch, batch * 2
+    if bad is None:
+        if good == max_batch or probe(max_batch):
+            return max_batch, probes
+        bad = max_batch
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, probes
+
+
+class BenchmarkSuite:
+    """Builds specs from shared settings, runs them, keeps the records.
+
+    Args:
+        launcher (Launcher): Starts the runs.
+        progress (bool): Show progress bars.
+        **settings: Keyword arguments of
+            :func:`~mmdtr.benchmarking.worker.make_spec` shared by all
+            runs: ``config``, ``batch_size``, ``device``, ``warmup``, ...
+    """
+
+    def __init__(self, launcher: Launcher, progress: bool = True, **settings):
+        self.launcher, self.progress = launcher, progress
+        self.settings = settings
+        self._cache: Dict[str, dict] = {}
+
+    @property
+    def cuda(self) -> bool:
+        return str(self.settings.get('device', 'cpu')).startswith('cuda')
+
+    def spec(self, technique: str, **overrides) -> dict:
+        """A spec from the shared settings and ``overrides``."""
+        kwargs = dict(self.settings)
+        kwargs.update(overrides)
+        config, batch_size = kwargs.pop('config'), kwargs.pop('batch_size')
+        return make_spec(config, technique, batch_size, **kwargs)
+
+    def run(self, name: str, spec: dict, bar: Progress, **extra) -> dict:
+        """Run ``spec`` (once per suite) and return its record."""
+        key = json.dumps(spec, sort_keys=True)
+        bar.set_label(name)
+        if key not in self._cache:
+            self._cache[key] = self.launcher.run(spec, name)
+        record = dict(
+            name=name,
+            technique=spec['technique'],
+            policy=spec['policy'] if spec['technique'] == 'dtr' else None,
+            threshold=spec['threshold'],
+            batch_size=spec['batch_size'])
+        record.update(extra)
+        record.update(self._cache[key])
+        bar.update(f'{name}: {record["status"]}')
+        return record
+
+    def bar(self, total: Optional[int], desc: str) -> Progress:
+        """A progress bar (silent unless the suite shows progress)."""
+        return Progress(total, desc, enabled=self.progress)
+
+    def sweep(self,
+              fractions: Sequence[float] = (),
+              thresholds: Sequence[int] = (),
+              policy: str = 'dtr') -> List[dict]:
+        """Baseline, DTR without eviction, DTR at each threshold.
+
+        Args:
+            fractions (Sequence[float]): Thresholds as fractions of the
+                peak of DTR without eviction (the engine's meter).
+            thresholds (Sequence[int]): Thresholds in bytes.
+            policy (str): The eviction policy.
+
+        Returns:
+            list[dict]: Records; ``fraction`` is set on fraction runs.
+        """
+        bar = self.bar(2 + len(fractions) + len(thresholds), 'sweep')
+        records = [self.baseline(bar), self.no_eviction(bar, policy)]
+        peak = records[1]['peak_engine']
+        for fraction in fractions:
+            if peak is None:
+                records.append(
+                    self._skipped(
+                        f'dtr@{fraction:g}',
+                        'dtr',
+                        policy,
+                        'no baseline peak (DTR without eviction failed)',
+                        fraction=fraction))
+                bar.update()
+                continue
+            records.append(
+                self.run(
+                    f'dtr@{fraction:g}',
+                    self.spec(
+                        'dtr', threshold=int(peak * fraction), policy=policy),
+                    bar,
+                    fraction=fraction))
+        for threshold in thresholds:
+            records.append(
+                self.run(
+                    f'dtr@{threshold}B',
+                    self.spec('dtr', threshold=int(threshold), policy=policy),
+                    bar))
+        bar.close()
+        return records
+
+    def baseline(self, bar: Progress) -> dict:
+        """The run without any technique (engine-metered in an extra step)."""
+        return self.run('baseline', self.spec('baseline'), bar)
+
+    def no_eviction(self, bar: Progress, policy: str = 'dtr') -> dict:
+        """DTR at a threshold never reached: overhead and baseline peak."""
+        return self.run('dtr (no eviction)',
+                        self.spec('dtr', threshold=NO_EVICTION, policy=policy),
+                        bar)
+
+    def _skipped(self, name: str, technique: str, policy: Optional[str],
+                 why: str, **extra) -> dict:
+        record = dict(
+            name=name,
+            technique=technique,
+            policy=policy,
+            threshold=None,
+            batch_size=self.settings['batch_size'],
+            status='skipped',
+            error=why,
+            median_step_s=None,
+            step_times_s=[],
+            peak_engine=None,
+            peak_independent=None)
+        record.update(extra)
+        return record
+
+    def compare(
+        self,
+        match: str = 'checkpoint_sqrt',
+        policies: Sequence[str] = tuple(POLICIES)
+    ) -> List[dict]:
+        """The checkpointing alternatives, then DTR per policy at a peak.
+
+        Args:
+            match (str | int): An alternative of :data:`ALTERNATIVES` whose
+                engine-metered peak is DTR's threshold, or a threshold in
+                bytes.
+            policies (Sequence[str]): DTR's eviction policies to run.
+
+        Returns:
+            list[dict]: Records; the DTR ones carry ``matched_to``.
+        """
+        bar = self.bar(1 + len(ALTERNATIVES) + len(policies), 'compare')
+        records = [self.baseline(bar)]
+        for technique in ALTERNATIVES:
+            records.append(self.run(technique, self.spec(technique), bar))
+        if isinstance(match, int):
+            threshold, matched = match, f'{match} bytes'
+        else:
+            found = [r for r in records if r['technique'] == match]
+            if not found:
+                raise ValueError(f'--match {match!r} is not one of '
+                                 f'{list(ALTERNATIVES)} or a size')
+            threshold, matched = found[0]['peak_engine'], match
+        for policy in policies:
+            name = f'dtr[{policy}]'
+            if threshold is None:
+                records.append(
+                    self._skipped(name, 'dtr', policy,
+                                  f'{match} has no peak to match'))
+                bar.update()
+                continue
+            records.append(
+                self.run(
+                    name,
+                    self.spec('dtr', threshold=int(threshold), policy=policy),
+                    bar,
+                    matched_to=matched))
+        bar.close()
+        return records
+
+    def prime(self) -> None:
+        """One throwaway baseline run before the measured ones.
+
+        On a machine that has just been busy (or idle) the first runs are
+        often slower; this run absorbs that. Its result is not kept.
+        """
+        bar = self.bar(1, 'priming run')
+        spec = self.spec('baseline', steps=1, meter=False, profile=False)
+        self.launcher.run(spec, 'priming')
+        bar.update()
+        bar.close()
+
+    def probe(self,
+              technique: str,
+              batch: int,
+              capacity: int,
+              policy: str,
+              bar: Progress,
+              headroom: int = 0) -> dict:
+        """One largest-batch probe: does ``batch`` fit in ``capacity``?
+
+        On CPU the engine's meter decides (baseline: an engine that never
+        evicts; DTR: threshold ``capacity - headroom``), one step, no
+        warm-up. On CUDA the process may use only ``capacity`` bytes of the
+        card, DTR's threshold is ``capacity - headroom`` too, and a run fits
+        when it finishes a warm-up step and a measured step without running
+        out of memory.
+        """
+        overrides = dict(batch_size=batch, profile=False)
+        if technique == 'dtr':
+            overrides.update(threshold=capacity - headroom, policy=policy)
+        if self.cuda:
+            overrides.update(capacity=capacity, warmup=1, steps=1, meter=False)
+        elif technique == 'dtr':
+            overrides.update(warmup=0, steps=1)
+        else:
+            overrides.update(warmup=0, steps=0, meter=True)
+        record = self.run(f'{technique}@batch{batch}',
+                          self.spec(technique, **overrides), bar)
+        peak = record['peak_engine']
+        record['fits'] = record['status'] == 'ok' and (self.cuda or
+                                                       (peak is not None
+                                                        and peak <= capacity))
+        return record
+
+    def largest_batch(self,
+                      capacity: int,
+                      max_batch: int = 1024,
+                      policy: str = 'dtr',
+                      headroom: int = 0) -> dict:
+        """Largest batch of the baseline and of DTR within ``capacity``.
+
+        DTR runs at threshold ``capacity - headroom``: the engine evicts
+        after an op that crosses the threshold, so its peak may pass the
+        threshold by about the largest op's output; a headroom keeps that
+        within the capacity. DTR's doubling starts at the baseline's
+        largest batch (at least 1).
+        A probe that fails otherwise than by running out of memory stops
+        that technique's search (``largest_batch`` None, ``error`` set).
+
+        Returns:
+            dict: ``capacity``, ``max_batch``, ``policy``, ``headroom``,
+            ``criterion``
+            and, per technique (``baseline``, ``dtr``), ``largest_batch``,
+            ``error`` and ``probes`` (the probe records in the order run).
+        """
+        bar = self.bar(None, 'largest batch')
+        out = dict(
+            capacity=capacity,
+            max_batch=max_batch,
+            policy=policy,
+            headroom=headroom,
+            criterion=('no CUDA OOM with set_per_process_memory_fraction'
+                       if self.cuda else 'engine-metered peak <= capacity'))
+        start = 1
+        for technique in ('baseline', 'dtr'):
+            probes: List[dict] = []
+
+            def fits(batch: int, technique=technique, probes=probes):
+                probes.append(
+                    self.probe(technique, batch, capacity, policy, bar,
+                               headroom))
+                if probes[-1]['status'] not in _NOT_FITTING + ('ok', ):
+                    raise _ProbeFailed(probes[-1])
+                return probes[-1]['fits']
+
+            try:
+                best, _ = largest_fitting(fits, max_batch, start=start)
+                error = None
+            except _ProbeFailed as failed:
+                best = None
+                error = (f"batch {failed.record['batch_size']}: "
+                         f"{failed.record['status']}: "
+                         f"{failed.record['error']}")
+            out[technique] = dict(
+                largest_batch=best, probes=probes, error=error)
+            start = max(1, best or 1)
+        bar.close()
+        return out

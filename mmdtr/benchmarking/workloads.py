@@ -1,0 +1,251 @@
+"""Workloads of the benchmark: model, batch, training step, techniques.
+
+A workload is a config of ``configs/`` (a model and a synthetic dataset)
+at a batch size. One training step is: forward in ``mode='loss'``, the
+losses summed, ``backward()``, then an SGD step (or only ``zero_grad``).
+DTR, when used, is active around the forward and the backward only, as
+:class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep` does in training.
+
+The alternatives to DTR checkpoint the model's *blocks*: the sequential
+chain of residual blocks, units or transformer layers that carry the
+activations (:data:`DEFAULT_BLOCKS`).
+"""
+import math
+from contextlib import nullcontext
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from mmengine.config import Config
+from mmengine.dataset import default_collate
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import DATASETS, MODELS
+from mmdtr.techniques.module_selection import resolve_modules
+
+#: Model type -> glob of its blocks, in forward order.
+DEFAULT_BLOCKS: Dict[str, str] = {
+    'ResNetClassifier': 'backbone.layer*.*',
+    'ResNet50Classifier': 'backbone.layer*.*',
+    'ShuffleNetV2Classifier': 'backbone.stages.*.*',
+    'SPOSSupernet': 'backbone.layers.*',
+    'GPTDecoder': 'blocks.*',
+}
+#: What a run may apply to the model.
+TECHNIQUES = ('baseline', 'dtr', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac')
+#: A threshold no workload reaches: DTR meters but never evicts.
+NO_EVICTION = 2**62
+
+
+def load_config(config: str,
+                cfg_options: Optional[dict] = None,
+                image_size: Optional[int] = None,
+                seq_len: Optional[int] = None) -> Config:
+    """Read a workload config and apply the benchmark's overrides.
+
+    Args:
+        config (str): Path of the config file.
+        cfg_options (dict, optional): ``--cfg-options`` to merge.
+        image_size (int, optional): Image side of an image dataset.
+        seq_len (int, optional): Sequence length of a token dataset (the
+            model's ``max_seq_len`` is raised to it when smaller).
+
+    Returns:
+        Config: The config.
+
+    Raises:
+        MmdtrError: If an override does not apply to the dataset.
+    """
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    dataset = cfg.train_dataloader.dataset
+    for key, value in (('image_size', image_size), ('seq_len', seq_len)):
+        if value is None:
+            continue
+        if key not in dataset:
+            raise MmdtrError(
+                f'--{key.replace("_", "-")} {value} does not apply to '
+                f'{config}: its dataset {dataset.get("type")!r} has no '
+                f'{key!r}.',
+                hint='use --image-size for image datasets and --seq-len '
+                'for token datasets.')
+        dataset[key] = value
+    if seq_len is not None and cfg.model.get('max_seq_len', seq_len) < \
+            seq_len:
+        cfg.model.max_seq_len = seq_len
+    return cfg
+
+
+def block_names(model: nn.Module, pattern: Optional[str] = None) -> List[str]:
+    """Names of the model's blocks in forward order.
+
+    Args:
+        model (nn.Module): The model.
+        pattern (str, optional): Glob of the blocks; defaults to
+            :data:`DEFAULT_BLOCKS` of the model's type.
+
+    Returns:
+        list[str]: Module names.
+    """
+    if pattern is None:
+        pattern = DEFAULT_BLOCKS.get(type(model).__name__)
+    if pattern is None:
+        raise MmdtrError(
+            f'the benchmark does not know the blocks of '
+            f'{type(model).__name__}; known: {sorted(DEFAULT_BLOCKS)}.',
+            hint="give them with --blocks, e.g. --blocks 'backbone.layer*.*'"
+            ' (modules called one after the other, each on one tensor).')
+    return list(resolve_modules(model, pattern, key='--blocks'))
+
+
+def split_even(items: Sequence, parts: int) -> List[list]:
+    """Split ``items`` into ``parts`` contiguous groups of near-equal size.
+
+    The first ``len(items) % parts`` groups get one item more.
+    """
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    groups, start = [], 0
+    for i in range(parts):
+        stop = start + size + (i < extra)
+        groups.append(list(items[start:stop]))
+        start = stop
+    return groups
+
+
+def _passthrough(x):
+    return x
+
+
+def checkpoint_segments(model: nn.Module,
+                        names: Sequence[str],
+                        num_segments: Optional[int] = None) -> List[list]:
+    """Checkpoint ``names`` in ``num_segments`` segments (sqrt(N) default).
+
+    The blocks must be called one after another, each on the previous one's
+    output (true of the blocks of :data:`DEFAULT_BLOCKS`). The first block
+    of a segment runs the whole segment under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; the others
+    then pass their input through. As with any ``torch.utils.checkpoint``,
+    batch-norm running statistics are updated again by the recompute.
+
+    Args:
+        model (nn.Module): The model; changed in place.
+        names (Sequence[str]): Block names in forward order.
+        num_segments (int, optional): Defaults to ``round(sqrt(N))``.
+
+    Returns:
+        list[list[str]]: The segments.
+    """
+    if num_segments is None:
+        num_segments = max(1, round(math.sqrt(len(names))))
+    segments = split_even(list(names), num_segments)
+    for segment in segments:
+        modules = [model.get_submodule(name) for name in segment]
+        forwards = [module.forward for module in modules]
+
+        def run(x, forwards=forwards):
+            for forward in forwards:
+                x = forward(x)
+            return x
+
+        def segment_forward(x, run=run):
+            if not torch.is_grad_enabled():
+                return run(x)
+            return checkpoint(run, x, use_reentrant=False)
+
+        modules[0].forward = segment_forward
+        for module in modules[1:]:
+            module.forward = _passthrough
+    return segments
+
+
+def apply_technique(model: nn.Module,
+                    technique: str,
+                    blocks: Optional[str] = None) -> str:
+    """Apply a non-DTR technique to the model; return what was done.
+
+    Args:
+        model (nn.Module): The model; changed in place.
+        technique (str): One of :data:`TECHNIQUES`.
+        blocks (str, optional): Glob of the blocks (see :func:`block_names`).
+
+    Returns:
+        str: A short description, e.g. ``'4 segments of 16 blocks'``.
+    """
+    if technique not in TECHNIQUES:
+        raise MmdtrError(f'technique {technique!r} is unknown; accepted: '
+                         f'{list(TECHNIQUES)}.')
+    if technique in ('baseline', 'dtr'):
+        return ''
+    names = block_names(model, blocks)
+    if technique == 'checkpoint_sqrt':
+        segments = checkpoint_segments(model, names)
+        return f'{len(segments)} segments of {len(names)} blocks'
+    if technique == 'mmengine_ac':
+        from mmengine.runner.activation_checkpointing import \
+            turn_on_activation_checkpointing
+        turn_on_activation_checkpointing(model, names)
+    else:
+        from mmdtr.techniques.activation_checkpointing import \
+            apply_activation_checkpointing
+        apply_activation_checkpointing(model, names)
+    return f'each of {len(names)} blocks'
+
+
+class Workload:
+    """A model, one batch and an optimizer, ready to step.
+
+    Args:
+        cfg (Config): A config from :func:`load_config`.
+        batch_size (int): Samples in the batch.
+        device (str): ``'cpu'`` or ``'cuda'``.
+        optimizer (str): ``'sgd'`` (SGD, momentum 0.9) or ``'none'``
+            (gradients are only zeroed).
+        seed (int): Seeds torch before the model is built.
+    """
+
+    def __init__(self,
+                 cfg: Config,
+                 batch_size: int,
+                 device: str = 'cpu',
+                 optimizer: str = 'sgd',
+                 seed: int = 0):
+        if batch_size < 1:
+            raise MmdtrError(f'batch size {batch_size} is not positive.')
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.model = MODELS.build(cfg.model).to(self.device)
+        self.model.train()
+        dataset = DATASETS.build(cfg.train_dataloader.dataset)
+        samples = [dataset[i % len(dataset)] for i in range(batch_size)]
+        self.batch = self.model.data_preprocessor(
+            default_collate(samples), True)
+        if optimizer == 'sgd':
+            self.optimizer = torch.optim.SGD(
+                self.model.parameters(), lr=1e-3, momentum=0.9)
+        elif optimizer == 'none':
+            self.optimizer = None
+        else:
+            raise MmdtrError(f"optimizer {optimizer!r} is not 'sgd' or "
+                             "'none'.")
+
+    def step(self, engine: Optional[DTR] = None) -> float:
+        """One training step; DTR ``engine`` (if any) around fwd and bwd.
+
+        Returns:
+            float: The loss.
+        """
+        with engine if engine is not None else nullcontext():
+            losses = self.model(**self.batch, mode='loss')
+            loss = sum(value.sum() for value in losses.values())
+            loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+        return float(loss.detach())
