@@ -1,0 +1,300 @@
+"""tools/benchmark.py: output format of --quick, and the helpers behind it.
+
+Nothing here asserts a timing: the runs are too small and the machines too
+different. The end-to-end test checks what is written (JSON keys, table
+rows, PNG files); the unit tests check the search, the segmenting, the
+spec runner and the table logic.
+"""
+import copy
+import importlib.util
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmdtr.benchmarking import (NO_EVICTION, Launcher, Workload,
+                                apply_technique, block_names,
+                                checkpoint_segments, largest_fitting,
+                                load_config, make_spec, run_spec, split_even)
+from mmdtr.benchmarking.report import markdown
+from mmdtr.errors import MmdtrError
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(REPO, 'tools', 'benchmark.py')
+RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
+GPT = osp.join(REPO, 'configs', 'gpt_synthetic.py')
+# A small ResNet keeps the end-to-end run short.
+SMALL = dict(model=dict(depth=18, base_channels=8))
+RUN_KEYS = {
+    'name', 'technique', 'policy', 'threshold', 'batch_size', 'status',
+    'error', 'median_step_s', 'step_times_s', 'peak_engine',
+    'peak_independent', 'independent_meter', 'evictions', 'recomputations',
+    'eviction_failures', 'remat_seconds', 'wall_s', 'log'
+}
+
+
+def run_tool(*argv):
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')])
+    cmd = [sys.executable, TOOL, RESNET, *argv]
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope='module')
+def quick_run(tmp_path_factory):
+    work_dir = tmp_path_factory.mktemp('bench')
+    proc = run_tool('all', '--quick', '--work-dir', str(work_dir),
+                    '--cfg-options', 'model.depth=18', 'model.base_channels=8')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work_dir, proc
+
+
+def test_quick_writes_json_of_every_run(quick_run):
+    work_dir, _ = quick_run
+    with open(work_dir / 'results.json') as f:
+        results = json.load(f)
+    assert set(results) == {'meta', 'sweep', 'compare', 'largest_batch'}
+    assert {'cpu', 'cpu_count', 'torch', 'device'} <= set(results['meta'])
+    sweep = results['sweep']['runs']
+    assert [r['name'] for r in sweep
+            ] == ['baseline', 'dtr (no eviction)', 'dtr@0.5', 'dtr@0.25']
+    compare = results['compare']['runs']
+    assert [r['name'] for r in compare] == [
+        'baseline', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac', 'dtr[dtr]',
+        'dtr[dtr_local]', 'dtr[lru]', 'dtr[largest]'
+    ]
+    for run in sweep + compare:
+        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        assert run['status'] == 'ok', (run['name'], run['error'])
+        assert len(run['step_times_s']) == 1  # --quick: one measured step
+        assert run['peak_engine'] > 0 and run['peak_independent'] > 0
+        assert run['independent_meter'] == 'torch.profiler'
+        assert osp.isfile(run['log'])
+    # thresholds are fractions of the peak of DTR without eviction
+    peak = sweep[1]['peak_engine']
+    assert sweep[2]['threshold'] == int(peak * 0.5)
+    assert sweep[3]['threshold'] == int(peak * 0.25)
+    # compare matches DTR's threshold to the sqrt(N) checkpointing's peak
+    assert {r['threshold'] for r in compare[4:]} == {compare[1]['peak_engine']}
+    batch = results['largest_batch']['result']
+    for technique in ('baseline', 'dtr'):
+        entry = batch[technique]
+        assert entry['error'] is None
+        fitting = [p['batch_size'] for p in entry['probes'] if p['fits']]
+        assert entry['largest_batch'] == max(fitting, default=0)
+        assert all(p['peak_engine'] <= batch['capacity']
+                   for p in entry['probes'] if p['fits'])
+    assert batch['dtr']['largest_batch'] >= batch['baseline']['largest_batch']
+
+
+def test_quick_writes_table_and_plots(quick_run):
+    work_dir, proc = quick_run
+    table = (work_dir / 'benchmark.md').read_text()
+    for heading in ('## Threshold sweep', '## Alternatives at the same '
+                    'memory', '## Largest batch'):
+        assert heading in table
+    rows = [line for line in table.splitlines() if line.startswith('| ')]
+    names = [row.split('|')[1].strip() for row in rows]
+    for name in ('baseline', 'dtr (no eviction)', 'dtr@0.5', 'dtr@0.25',
+                 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac', 'dtr[lru]',
+                 'dtr'):
+        assert name in names
+    for png in ('sweep.png', 'time_vs_peak.png'):
+        with open(work_dir / png, 'rb') as f:
+            assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+        assert f'wrote {work_dir / png}' in proc.stdout
+    # the report command redraws everything from the JSON alone
+    os.remove(work_dir / 'benchmark.md')
+    proc = run_tool('report', '--work-dir', str(work_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (work_dir / 'benchmark.md').read_text() == table
+
+
+@pytest.mark.parametrize('limit', [0, 1, 2, 3, 5, 8, 13, 31, 32, 100])
+def test_largest_fitting_finds_the_limit(limit):
+    calls = []
+
+    def fits(batch):
+        calls.append(batch)
+        return batch <= limit
+
+    best, probes = largest_fitting(fits, max_batch=64)
+    assert best == min(limit, 64)
+    assert len(calls) == len(set(calls)) == len(probes)
+    assert len(calls) <= 2 * 7 + 1  # doubling, then bisecting
+
+
+def test_largest_fitting_starts_where_told():
+    best, probes = largest_fitting(lambda b: b <= 11, 64, start=4)
+    assert best == 11 and min(probes) == 4
+    best, probes = largest_fitting(lambda b: b <= 2, 64, start=4)
+    assert best == 2 and probes[4] is False
+
+
+def test_split_even():
+    assert split_even(list(range(16)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                              [8, 9, 10, 11], [12, 13, 14, 15]]
+    groups = split_even(list(range(20)), 4)
+    assert [len(g) for g in groups] == [5, 5, 5, 5]
+    assert [len(g) for g in split_even(list(range(8)), 3)] == [3, 3, 2]
+    assert split_even([1, 2], 5) == [[1], [2]]
+
+
+def _small_workload(batch=4):
+    cfg = load_config(RESNET, SMALL, image_size=64)
+    return Workload(cfg, batch, optimizer='none')
+
+
+def test_checkpoint_segments_keep_loss_and_gradients():
+    plain = _small_workload()
+    ckpt = copy.deepcopy(plain)
+    names = block_names(ckpt.model)
+    assert names == [
+        f'backbone.layer{i}.{j}' for i in range(1, 5) for j in range(2)
+    ]
+    segments = checkpoint_segments(ckpt.model, names)
+    assert segments == [names[:3], names[3:6], names[6:]]  # round(sqrt(8))
+    for work in (plain, ckpt):
+        loss = work.model(**work.batch, mode='loss')['loss']
+        loss.backward()
+        work.loss = loss
+    assert torch.equal(plain.loss, ckpt.loss)
+    for (name, p), q in zip(plain.model.named_parameters(),
+                            ckpt.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_apply_technique_describes_what_it_did():
+    work = _small_workload()
+    assert apply_technique(work.model, 'mmdtr_ac') == 'each of 8 blocks'
+    work = _small_workload()
+    assert apply_technique(work.model, 'checkpoint_sqrt') == \
+        '3 segments of 8 blocks'
+    with pytest.raises(MmdtrError, match='unknown'):
+        apply_technique(work.model, 'magic')
+    with pytest.raises(MmdtrError, match='--blocks'):
+        block_names(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_overrides_must_fit_the_dataset():
+    cfg = load_config(GPT, seq_len=16)
+    assert cfg.train_dataloader.dataset.seq_len == 16
+    with pytest.raises(MmdtrError, match='--image-size'):
+        load_config(GPT, image_size=32)
+
+
+def test_run_spec_in_process_and_in_a_subprocess(tmp_path):
+    common = dict(cfg_options=SMALL, image_size=64, warmup=0)
+    meter_spec = make_spec(
+        RESNET,
+        'dtr',
+        2,
+        threshold=NO_EVICTION,
+        steps=1,
+        profile=False,
+        **common)
+    meter = run_spec(meter_spec)
+    assert meter['status'] == 'ok', meter['error']
+    assert meter['evictions'] == 0 and meter['peak_engine'] > 0
+    assert meter['peak_independent'] is None  # profile=False
+
+    spec = make_spec(
+        RESNET,
+        'dtr',
+        2,
+        steps=2,
+        threshold=int(meter['peak_engine'] * 0.7),
+        evictee_minimum_size=4096,
+        **common)
+    result = run_spec(spec)
+    assert result['status'] == 'ok', result['error']
+    assert len(result['step_times_s']) == 2
+    assert result['evictions'] > 0
+    assert result['independent_meter'] == 'torch.profiler'
+
+    # the same run in a fresh interpreter meters the same bytes
+    launched = Launcher('subprocess', str(tmp_path)).run(meter_spec, 'm')
+    assert launched['status'] == 'ok', launched['error']
+    assert launched['peak_engine'] == meter['peak_engine']
+    assert osp.isfile(launched['log'])
+    bad = run_spec(dict(spec, config=str(tmp_path / 'missing.py')))
+    assert bad['status'] == 'error' and 'missing.py' in bad['error']
+
+
+def _record(name, technique, step, threshold=None, fraction=None):
+    return dict(
+        name=name,
+        technique=technique,
+        policy=None,
+        threshold=threshold,
+        fraction=fraction,
+        batch_size=8,
+        status='ok',
+        error=None,
+        median_step_s=step,
+        peak_engine=100 * 2**20,
+        peak_independent=101 * 2**20,
+        evictions=1.0,
+        recomputations=2.0,
+        eviction_failures=0.0)
+
+
+def test_markdown_marks_targets_from_the_slowdown():
+    runs = [
+        _record('baseline', 'baseline', 1.0),
+        _record('dtr (no eviction)', 'dtr', 1.04, threshold=2**62),
+        _record('dtr@0.5', 'dtr', 1.2, threshold=50 * 2**20, fraction=0.5),
+        _record('dtr@0.25', 'dtr', 1.3, threshold=25 * 2**20, fraction=0.25),
+        _record('dtr@0.7', 'dtr', 1.1, threshold=70 * 2**20, fraction=0.7),
+    ]
+    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
+    rows = {
+        line.split('|')[1].strip(): line
+        for line in table.splitlines() if line.startswith('| ')
+    }
+    assert '<= 1.05x: met' in rows['dtr (no eviction)']
+    assert '<= 1.15x: missed' in rows['dtr@0.5']
+    assert '<= 1.35x: met' in rows['dtr@0.25']
+    assert '<=' not in rows['dtr@0.7']
+    assert '| 1.20x |' in rows['dtr@0.5']
+    assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
+
+
+@pytest.fixture(scope='module')
+def tool():
+    spec = importlib.util.spec_from_file_location('mmdtr_bench_tool', TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('argv, match', [
+    (['all'], 'needs --capacity'),
+    (['largest-batch', '--capacity', 'lots'], 'is not a size'),
+    (['largest-batch', '--capacity', '1GB', '--headroom', '2GB'
+      ], 'leaves no room'),
+    (['compare', '--match', 'magic'], 'neither a technique'),
+    (['sweep', '--thresholds', '1XB'], 'is not a size'),
+    (['sweep', '--fractions', '0.5', '-1'], 'must be positive'),
+])
+def test_bad_arguments_fail_before_any_run(tool, tmp_path, argv, match):
+    args = tool.parse_args([RESNET] + argv + ['--work-dir', str(tmp_path)])
+    with pytest.raises(MmdtrError, match=match):
+        tool.check_args(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
+def test_cuda_device_without_cuda_fails(tool):
+    args = tool.parse_args([RESNET, 'sweep', '--device', 'cuda'])
+    with pytest.raises(MmdtrError, match='CUDA is not available'):
+        tool.check_args(args)
+
+
+def test_report_needs_results(tool, tmp_path):
+    with pytest.raises(MmdtrError, match='no .*results.json'):
+        tool.main([RESNET, 'report', '--work-dir', str(tmp_path)])

@@ -1,0 +1,286 @@
+"""Benchmark what DTR buys: threshold sweep, alternatives, largest batch.
+
+Every measured run runs in a process of its own. Results go to
+``--work-dir`` (default ``work_dirs/benchmark/<config name>``):
+``results.json``, ``benchmark.md`` and PNG plots. See docs/benchmarks.md.
+
+Examples:
+    python tools/benchmark.py configs/resnet50_synthetic.py sweep \
+        --batch-size 8 --image-size 112 --fractions 0.9 0.7 0.5 0.3 0.2
+    python tools/benchmark.py CONFIG sweep --thresholds 200MB 100MB
+    python tools/benchmark.py CONFIG compare --match checkpoint_sqrt
+    python tools/benchmark.py CONFIG largest-batch --capacity 1GB
+    python tools/benchmark.py CONFIG all --capacity 1GB
+    python tools/benchmark.py CONFIG all --quick     # a smoke test
+    python tools/benchmark.py CONFIG report          # redraw from JSON
+"""
+import argparse
+import json
+import os.path as osp
+import sys
+import time
+
+import torch
+from mmengine.config import Config, DictAction
+
+from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, BenchmarkSuite,
+                                Launcher, load_config)
+from mmdtr.benchmarking.report import (machine_info, update_results,
+                                       write_report)
+from mmdtr.core.policies import POLICIES
+from mmdtr.core.sizes import parse_size
+from mmdtr.errors import MmdtrError
+
+COMMANDS = ('sweep', 'compare', 'largest-batch', 'all', 'report')
+DEFAULT_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.25)
+#: --quick: tiny inputs, one warm-up and one measured step.
+QUICK = dict(
+    batch_size=2,
+    image_size=64,
+    seq_len=32,
+    warmup=1,
+    steps=1,
+    fractions=(0.5, 0.25),
+    max_batch=4)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='Benchmark DTR against its alternatives')
+    parser.add_argument('config', help='workload config file')
+    parser.add_argument('command', choices=COMMANDS)
+    parser.add_argument(
+        '--work-dir', help='default: '
+        'work_dirs/benchmark/<config name>')
+    parser.add_argument(
+        '--quick',
+        action='store_true',
+        help='tiny inputs, 1 warm-up + 1 measured step')
+    work = parser.add_argument_group('workload')
+    work.add_argument('--batch-size', type=int, help="default: the config's")
+    work.add_argument('--image-size', type=int, help='image datasets')
+    work.add_argument('--seq-len', type=int, help='token datasets')
+    work.add_argument('--cfg-options', nargs='+', action=DictAction)
+    work.add_argument(
+        '--device',
+        default='auto',
+        help="'cpu', 'cuda', 'cuda:N' or 'auto' (default)")
+    work.add_argument('--warmup', type=int, help='default 1')
+    work.add_argument('--steps', type=int, help='measured steps, default 3')
+    work.add_argument('--optimizer', choices=('sgd', 'none'), default='sgd')
+    work.add_argument(
+        '--blocks',
+        help='glob of the blocks checkpointed by '
+        'the alternatives, e.g. "backbone.layer*.*"')
+    work.add_argument('--threads', type=int, help='torch threads per run')
+    work.add_argument('--seed', type=int, default=0)
+    dtr = parser.add_argument_group('DTR')
+    dtr.add_argument(
+        '--fractions',
+        type=float,
+        nargs='+',
+        help='sweep thresholds as fractions of the peak; '
+        f'default {" ".join(map(str, DEFAULT_FRACTIONS))}')
+    dtr.add_argument(
+        '--thresholds',
+        nargs='+',
+        default=[],
+        help="sweep thresholds as sizes, e.g. 200MB")
+    dtr.add_argument(
+        '--policy',
+        default='dtr',
+        choices=sorted(POLICIES),
+        help='policy of the sweep and largest batch')
+    dtr.add_argument(
+        '--policies',
+        nargs='+',
+        choices=sorted(POLICIES),
+        default=list(POLICIES),
+        help='policies to compare')
+    dtr.add_argument(
+        '--match',
+        default='checkpoint_sqrt',
+        help='DTR threshold of compare: the peak of one of '
+        f'{", ".join(ALTERNATIVES)}, or a size')
+    dtr.add_argument('--evictee-minimum-size', default='1MB')
+    dtr.add_argument('--sqrt-sampling', action='store_true')
+    batch = parser.add_argument_group('largest batch')
+    batch.add_argument(
+        '--capacity',
+        help="memory capacity, e.g. '1GB' "
+        "('11GB' emulates a 2080Ti on a bigger card)")
+    batch.add_argument('--max-batch', type=int, help='default 1024')
+    batch.add_argument(
+        '--headroom',
+        default='0',
+        help='DTR runs at threshold capacity - headroom (default 0)')
+    run = parser.add_argument_group('runs')
+    run.add_argument(
+        '--launcher',
+        choices=LAUNCHERS,
+        help='default: forkserver where available')
+    run.add_argument('--timeout', type=float, help='seconds per run')
+    run.add_argument('--no-progress', action='store_true')
+    run.add_argument(
+        '--no-prime',
+        action='store_true',
+        help='skip the throwaway run before the measured ones '
+        '(always skipped with --quick)')
+    return parser.parse_args(argv)
+
+
+def _default(value, quick_key, args, normal):
+    if value is not None:
+        return value
+    return QUICK[quick_key] if args.quick else normal
+
+
+def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
+    """The suite of runs the arguments describe."""
+    dataset = cfg.train_dataloader.dataset
+    image_size = args.image_size
+    seq_len = args.seq_len
+    if args.quick:
+        if image_size is None and 'image_size' in dataset:
+            image_size = QUICK['image_size']
+        if seq_len is None and 'seq_len' in dataset:
+            seq_len = QUICK['seq_len']
+    settings = dict(
+        config=osp.abspath(args.config),
+        batch_size=_default(args.batch_size, 'batch_size', args,
+                            cfg.train_dataloader.batch_size),
+        cfg_options=args.cfg_options or {},
+        image_size=image_size,
+        seq_len=seq_len,
+        device=args.device,
+        evictee_minimum_size=parse_size(args.evictee_minimum_size,
+                                        '--evictee-minimum-size'),
+        sqrt_sampling=args.sqrt_sampling,
+        warmup=_default(args.warmup, 'warmup', args, 1),
+        steps=_default(args.steps, 'steps', args, 3),
+        optimizer=args.optimizer,
+        blocks=args.blocks,
+        threads=args.threads,
+        seed=args.seed)
+    launcher = Launcher(args.launcher, osp.join(work_dir, 'logs'),
+                        args.timeout)
+    return BenchmarkSuite(launcher, not args.no_progress, **settings)
+
+
+def _match(value: str):
+    if value in ALTERNATIVES:
+        return value
+    try:
+        return parse_size(value, '--match')
+    except MmdtrError:
+        raise MmdtrError(
+            f'--match {value!r} is neither a technique of '
+            f'{list(ALTERNATIVES)} nor a size.',
+            hint='e.g. --match mmdtr_ac or --match 200MB.') from None
+
+
+def run_command(command: str, args, suite: BenchmarkSuite) -> tuple:
+    """Run one benchmark; return ``(section name, section data)``."""
+    settings = dict(suite.settings, command=command)
+    if command == 'sweep':
+        fractions = args.fractions
+        if fractions is None:
+            fractions = (
+                QUICK['fractions'] if args.quick else
+                () if args.thresholds else DEFAULT_FRACTIONS)
+        thresholds = [parse_size(t, '--thresholds') for t in args.thresholds]
+        settings.update(
+            policy=args.policy,
+            fractions=list(fractions),
+            thresholds=thresholds)
+        runs = suite.sweep(fractions, thresholds, args.policy)
+        return 'sweep', dict(settings=settings, runs=runs)
+    if command == 'compare':
+        settings.update(match=args.match, policies=args.policies)
+        runs = suite.compare(_match(args.match), args.policies)
+        return 'compare', dict(settings=settings, runs=runs)
+    capacity = args.capacity
+    if capacity is None:
+        # quick: a quarter above the baseline's peak at the quick batch
+        peak = suite.run('baseline', suite.spec('baseline'),
+                         suite.bar(1, 'baseline'))['peak_engine']
+        if peak is None:
+            raise MmdtrError('the baseline run failed; see its log.')
+        capacity = int(peak * 1.25)
+    else:
+        capacity = parse_size(capacity, '--capacity')
+    max_batch = _default(args.max_batch, 'max_batch', args, 1024)
+    headroom = parse_size(args.headroom, '--headroom')
+    settings.update(
+        capacity=capacity,
+        max_batch=max_batch,
+        policy=args.policy,
+        headroom=headroom)
+    result = suite.largest_batch(capacity, max_batch, args.policy, headroom)
+    return 'largest_batch', dict(settings=settings, result=result)
+
+
+def check_args(args) -> None:
+    """Reject bad arguments before anything runs."""
+    if args.device == 'auto':
+        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        raise MmdtrError(
+            f'--device {args.device}: CUDA is not available.',
+            hint='use --device cpu.')
+    if args.command in ('largest-batch', 'all'):
+        if args.capacity is None and not args.quick:
+            raise MmdtrError(f'{args.command} needs --capacity, e.g. 1GB.')
+        headroom = parse_size(args.headroom, '--headroom')
+        if args.capacity is not None and \
+                headroom >= parse_size(args.capacity, '--capacity'):
+            raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
+                             f'--capacity {args.capacity}.')
+    if args.command in ('compare', 'all'):
+        _match(args.match)
+    for threshold in args.thresholds:
+        parse_size(threshold, '--thresholds')
+    if any(not 0 < f for f in args.fractions or ()):
+        raise MmdtrError(f'--fractions {args.fractions} must be positive.')
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    name = osp.splitext(osp.basename(args.config))[0]
+    work_dir = args.work_dir or osp.join('work_dirs', 'benchmark', name)
+    json_path = osp.join(work_dir, 'results.json')
+    if args.command == 'report':
+        if not osp.exists(json_path):
+            raise MmdtrError(
+                f'no {json_path} to report on.',
+                hint='run a benchmark first, or give its '
+                '--work-dir.')
+        with open(json_path) as f:
+            results = json.load(f)
+    else:
+        cfg = load_config(args.config, args.cfg_options, args.image_size,
+                          args.seq_len)
+        suite = build_suite(args, cfg, work_dir)
+        commands = (('sweep', 'compare',
+                     'largest-batch') if args.command == 'all' else
+                    (args.command, ))
+        meta = machine_info(args.device)
+        if not (args.quick or args.no_prime):
+            suite.prime()
+        for command in commands:
+            start = time.monotonic()
+            section, data = run_command(command, args, suite)
+            data['settings']['wall_s'] = round(time.monotonic() - start, 1)
+            results = update_results(json_path, meta, section, data)
+            write_report(results, work_dir)
+    for path in [json_path] + write_report(results, work_dir):
+        print(f'wrote {path}')
+    return 0
+
+
+if __name__ == '__main__':
+    try:
+        sys.exit(main())
+    except MmdtrError as error:
+        sys.exit(f'{type(error).__name__}: {error}')
