@@ -19,7 +19,8 @@ from mmdtr.core.sizes import format_size
 #: Slowdown targets of the engine issue (ResNet-50 CPU step, batch >= 8):
 #: ``None`` is a threshold above the peak (no eviction).
 TARGETS = {None: 1.05, 0.5: 1.15, 0.25: 1.35}
-SECTIONS = ('sweep', 'compare', 'largest_batch')
+# Settings that apply to largest-batch probes (they set batch and steps).
+_PROBE_KEYS = ('config', 'image_size', 'seq_len', 'device', 'optimizer')
 
 
 def machine_info(device: str) -> dict:
@@ -136,9 +137,11 @@ def _run_table(records: List[dict], extra: str) -> List[str]:
     return lines
 
 
-def _settings_line(settings: dict) -> str:
-    keys = ('config', 'batch_size', 'image_size', 'seq_len', 'device',
-            'warmup', 'steps', 'optimizer')
+def _settings_line(
+    settings: dict,
+    keys=('config', 'batch_size', 'image_size', 'seq_len', 'device', 'warmup',
+          'steps', 'optimizer')
+) -> str:
     return ', '.join(f'{k}={settings.get(k)}' for k in keys
                      if settings.get(k) is not None)
 
@@ -181,7 +184,7 @@ def markdown(results: dict) -> str:
         cuda = str(section['settings'].get('device')).startswith('cuda')
         lines += [
             '## Largest batch', '',
-            _settings_line(section['settings']) +
+            _settings_line(section['settings'], _PROBE_KEYS) +
             f", capacity={format_size(data['capacity'])}, "
             f"max batch={data['max_batch']}, policy={data['policy']}, "
             f"DTR threshold=capacity - {format_size(data['headroom'])}; "
