@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
-                                 LargestFirstPolicy, LocalDTRPolicy,
-                                 LRUPolicy, build_policy)
+                                 LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
+                                 build_policy)
 from mmdtr.core.records import OpNode, RecordRef, StorageRecord
 from mmdtr.errors import MmdtrError
 
