@@ -110,11 +110,10 @@ class OpNode:
 
 class AllocNode:
     """Creator of an uninitialized storage (``empty`` and friends)."""
-    __slots__ = ('nbytes', 'device', 'cost', 'args', 'kwargs')
+    __slots__ = ('nbytes', 'device', 'cost')
 
     def __init__(self, nbytes, device):
         self.nbytes, self.device, self.cost = nbytes, device, 1.0
-        self.args, self.kwargs = (), {}
 
     def refs(self):
         return iter(())
