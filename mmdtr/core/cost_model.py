@@ -19,7 +19,18 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def op_cost(func, args, kwargs, out, bytes_moved: int) -> float:
+def tensors_bytes(values) -> int:
+    """Bytes addressed by the tensors among ``values`` (one list level)."""
+    total = 0
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            total += tensor_bytes(a)
+        elif isinstance(a, (list, tuple)):
+            total += tensors_bytes(a)
+    return total
+
+
+def op_cost(func, args, kwargs, out) -> float:
     """Estimated cost of one call, in FLOP-equivalents.
 
     Args:
@@ -27,11 +38,11 @@ def op_cost(func, args, kwargs, out, bytes_moved: int) -> float:
         args (tuple): Positional arguments of the call.
         kwargs (dict): Keyword arguments of the call.
         out: What the call returned.
-        bytes_moved (int): Bytes of its tensor inputs and outputs.
 
     Returns:
         float: FLOPs when torch.utils.flop_counter has a formula for the op,
-        else ``bytes_moved * FLOPS_PER_BYTE``; at least 1.
+        else the bytes of its tensor inputs and outputs times
+        ``FLOPS_PER_BYTE``; at least 1.
     """
     formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
@@ -41,20 +52,29 @@ def op_cost(func, args, kwargs, out, bytes_moved: int) -> float:
         raw = getattr(formula, '__wrapped__', None)
         try:
             if raw is not None:
-                flops = raw(*map(_shape, args), out_shape=_shape(out),
-                            **{k: _shape(v)
-                               for k, v in kwargs.items()})
+                flops = raw(
+                    *[_shape(a) for a in args],
+                    out_shape=_shape(out),
+                    **{
+                        k: _shape(v)
+                        for k, v in kwargs.items()
+                    })
             else:
                 flops = formula(*args, **kwargs, out_val=out)
             return float(max(flops, 1))
         except Exception:  # a formula that cannot read this call
             pass
-    return max(bytes_moved * FLOPS_PER_BYTE, 1.0)
+    moved = tensors_bytes((*args, *kwargs.values())) + tensors_bytes(
+        out if isinstance(out, (tuple, list)) else (out, ))
+    return max(moved * FLOPS_PER_BYTE, 1.0)
 
 
 def _shape(x):
+    """``x`` with tensors replaced by their shapes (one list level)."""
     if isinstance(x, torch.Tensor):
         return x.shape
     if isinstance(x, (list, tuple)):
-        return type(x)(_shape(y) for y in x)
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                return type(x)([_shape(z) for z in x])
     return x

@@ -114,8 +114,7 @@ class DTR:
         if self._state is not None:
             raise MmdtrError('this DTR engine is already active.',
                              'Create one DTR object per scope.')
-        state = EngineState(self.eviction_threshold,
-                            self.evictee_minimum_size,
+        state = EngineState(self.eviction_threshold, self.evictee_minimum_size,
                             self.enable_sqrt_sampling, self.policy,
                             self.device)
         mode = _DTRDispatchMode(state)

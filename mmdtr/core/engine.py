@@ -36,16 +36,6 @@ def _input_storages(args, kwargs) -> set:
     return cdatas
 
 
-def _tensors_bytes(values) -> int:
-    total = 0
-    for a in values:
-        if isinstance(a, Tensor):
-            total += tensor_bytes(a)
-        elif isinstance(a, (list, tuple)):
-            total += _tensors_bytes(a)
-    return total
-
-
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers its address."""
     __slots__ = ('cdata', )
@@ -147,7 +137,7 @@ class EngineState:
         rng = self._capture_rng(args, kwargs) if info.random else None
         out = self._run(func, args, kwargs)
         self.clock += 1
-        new = self._register_outputs(out, args, kwargs)
+        new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
         replayable = info.replayable and (
             not info.nondeterministic or not self.cuda
@@ -194,8 +184,15 @@ class EngineState:
         return [w for w in writes if isinstance(w, Tensor)], n_declared, \
             scratch
 
-    def _register_outputs(self, out, args, kwargs):
-        """Register the storages the call allocated; return them (R11)."""
+    def _register_outputs(self, out, args, kwargs, fresh_returns):
+        """Register the storages the call allocated; return them (R11).
+
+        A storage whose only users are the output and its Python object
+        (use count 2), returned by an op without alias annotations, is new:
+        PyTorch's debug builds assert exactly this of non-aliasing ops.
+        Anything else is checked against the inputs' storages (views such
+        as ``_unsafe_view`` alias without an annotation).
+        """
         if isinstance(out, Tensor):
             outs = (out, )
         elif isinstance(out, (tuple, list)):
@@ -210,18 +207,24 @@ class EngineState:
             cdata = storage._cdata
             if cdata in records:
                 continue  # a view or write of a storage we know
-            if inputs is None:
-                inputs = _input_storages(args, kwargs)
-            if cdata in inputs or o.is_meta or not storage.nbytes():
-                continue  # a view of an external storage; nothing real
+            if not fresh_returns or _use_count(cdata) != 2:
+                if inputs is None:
+                    inputs = _input_storages(args, kwargs)
+                if cdata in inputs:
+                    continue  # a view of an external storage
+            if o.is_meta or not storage.nbytes():
+                continue  # nothing real
             new.append((i, self._register(storage, cdata)))
         return new
 
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""
-        rec.add_inputs(node)
         for ref in node.refs():
-            if isinstance(ref, HeldRef) and ref.record is None:
+            input_rec = getattr(ref, 'record', None)
+            if input_rec is not None:
+                if input_rec is not rec:
+                    rec.add_input(input_rec)
+            elif isinstance(ref, HeldRef):
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
@@ -255,31 +258,33 @@ class EngineState:
         return None
 
     def _make_node(self, func, args, kwargs, out, scratch, rng, target):
-        info = op_info(func)
-        moved = _tensors_bytes((*args, *kwargs.values())) + _tensors_bytes(
-            out if isinstance(out, (tuple, list)) else (out, ))
-        cost = op_cost(func, args, kwargs, out, moved)
-        scratch_names = {info.arg_names[i] for i in scratch}
+        cost = op_cost(func, args, kwargs, out)
+        new_args = [self._ref_arg(a, target) for a in args]
+        new_kwargs = {k: self._ref_arg(v, target) for k, v in kwargs.items()}
+        if scratch:  # arguments written as a side effect (R6)
+            names = op_info(func).arg_names
+            for i in scratch:
+                if i < len(args):
+                    if isinstance(args[i], Tensor):
+                        new_args[i] = ScratchRef(detached_alias(args[i]))
+                elif isinstance(kwargs.get(names[i]), Tensor):
+                    new_kwargs[names[i]] = ScratchRef(
+                        detached_alias(kwargs[names[i]]))
+        return OpNode(func, tuple(new_args), new_kwargs, cost, rng)
 
-        def ref(a, scratch_arg):
-            if isinstance(a, Tensor):
-                return self._ref(a, target, scratch_arg)
-            if isinstance(a, (list, tuple)):
-                return type(a)(self._ref(b, target, False) if isinstance(
-                    b, Tensor) else b for b in a)
-            return a
+    def _ref_arg(self, a, target):
+        if isinstance(a, Tensor):
+            return self._ref(a, target)
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    return type(a)([
+                        self._ref(c, target) if isinstance(c, Tensor) else c
+                        for c in a
+                    ])
+        return a
 
-        new_args = tuple(
-            ref(a, i in scratch) for i, a in enumerate(args))
-        new_kwargs = {
-            k: ref(v, k in scratch_names)
-            for k, v in kwargs.items()
-        }
-        return OpNode(func, new_args, new_kwargs, cost, rng)
-
-    def _ref(self, t, target, scratch_arg):
-        if scratch_arg:
-            return ScratchRef(detached_alias(t))
+    def _ref(self, t, target):
         cdata = t.untyped_storage()._cdata
         if cdata == target:
             return SelfRef(view_meta(t))
@@ -323,7 +328,7 @@ class EngineState:
         rec.keepalive, rec.lo, rec.hi = storage, None, None
         if rec.cand_index >= 0:
             self._drop_candidate(rec)
-        for user in list(rec.users):
+        for user in list(rec.users or ()):
             if user.lo is not None:
                 self._freeze(user)
 
@@ -422,8 +427,7 @@ class EngineState:
         while self.memory_in_use() > self.limit:
             if not self._evict_one():
                 self.eviction_failures += 1
-                self.limit = self.memory_in_use() + max(
-                    self.threshold // 8, 1)
+                self.limit = self.memory_in_use() + max(self.threshold // 8, 1)
                 return
 
     def _evict_one(self) -> bool:
@@ -434,8 +438,8 @@ class EngineState:
         best = None
         if self.sqrt_sampling and n > 4:
             k = max(2, int(n**0.5))
-            best = self._best([cands[i]
-                               for i in self._sampler.sample(range(n), k)])
+            best = self._best(
+                [cands[i] for i in self._sampler.sample(range(n), k)])
         if best is None:  # no sampling, or nothing exclusive sampled
             best = self._best(cands)
         if best is None:
@@ -530,8 +534,8 @@ class EngineState:
     def _resolve(self, a, self_storage):
         """An argument of a replayed call, from its reference."""
         if isinstance(a, RecordRef):
-            return view_of(self.materialize(a.record, a.version), a.meta,
-                           a.record.device)
+            return view_of(
+                self.materialize(a.record, a.version), a.meta, a.record.device)
         if isinstance(a, HeldRef):
             if a.current_version() != a.version:
                 raise MmdtrError(

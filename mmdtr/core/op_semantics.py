@@ -30,8 +30,8 @@ _RUNNING_STATS = ('running_mean', 'running_var')
 # ``self``: once one covers a whole storage, that storage's content is
 # fully determined by recorded ops (rule R5).
 _FULL_OVERWRITE = frozenset({
-    'fill_', 'zero_', 'copy_', 'bernoulli_', 'normal_', 'uniform_',
-    'random_', 'exponential_', 'geometric_', 'cauchy_', 'log_normal_'
+    'fill_', 'zero_', 'copy_', 'bernoulli_', 'normal_', 'uniform_', 'random_',
+    'exponential_', 'geometric_', 'cauchy_', 'log_normal_'
 })
 
 
@@ -56,6 +56,8 @@ class OpInfo(NamedTuple):
             its prior content.
         nondeterministic (bool): Whether the op may be bitwise
             nondeterministic on accelerators.
+        fresh_returns (bool): Whether no return is alias-annotated, so an
+            output whose storage has no other user is a new allocation.
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -66,6 +68,7 @@ class OpInfo(NamedTuple):
     uninitialized: bool
     full_overwrite: bool
     nondeterministic: bool
+    fresh_returns: bool
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -105,8 +108,8 @@ def _classify(func) -> OpInfo:
         side_effects = [arg_names.index(n) for n in _RUNNING_STATS]
     tags = func.tags
     namespace = getattr(func, 'namespace', schema.name.split('::')[0])
-    replayable = (namespace == 'aten' and (not side_effects or bn_arg
-                                           is not False))
+    replayable = (
+        namespace == 'aten' and (not side_effects or bn_arg is not False))
     if name in ('set_', 'resize_', 'resize_as_', '_resize_output_',
                 'record_stream', 'as_strided_', '_local_scalar_dense'):
         replayable = False
@@ -119,7 +122,8 @@ def _classify(func) -> OpInfo:
         random=torch.Tag.nondeterministic_seeded in tags,
         uninitialized=name.startswith(('empty', 'new_empty', '_empty')),
         full_overwrite=name in _FULL_OVERWRITE,
-        nondeterministic=torch.Tag.nondeterministic_bitwise in tags)
+        nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
+        fresh_returns=all(r.alias_info is None for r in schema.returns))
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

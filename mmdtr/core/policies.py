@@ -55,8 +55,8 @@ class LocalDTRPolicy(DTRPolicy):
     name = 'dtr_local'
 
     def score(self, record, clock: int) -> float:
-        cost = record.cost * (
-            1.0 + self.recompute_penalty * record.remat_count)
+        cost = record.cost * (1.0 +
+                              self.recompute_penalty * record.remat_count)
         return cost / (record.nbytes * (clock - record.last_access + 1))
 
 

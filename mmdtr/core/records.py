@@ -164,15 +164,15 @@ class StorageRecord:
         cost (float): Cost of the creator and the writes.
         last_access (int): Clock of the last use.
         remat_count (int): Times recomputed.
-        users (weakref.WeakSet): Records whose recipes read this one.
+        users (weakref.WeakSet | None): Records whose recipes read this
+            one; ``None`` until the first (most records never get one).
         inputs (list): Records this one's recipe reads.
         keepalive: A strong reference to the storage of a frozen record.
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
-                 'creator', 'out_index', 'base', 'mutations', 'version',
-                 'lo', 'hi', 'cost', 'last_access', 'remat_count', 'users',
-                 'inputs', 'cand_index', 'evicted_class', 'keepalive',
-                 '__weakref__')
+                 'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
+                 'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
+                 'cand_index', 'evicted_class', 'keepalive', '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes, self.device = nbytes, device
@@ -182,7 +182,7 @@ class StorageRecord:
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
         self.mutations, self.inputs = [], []
-        self.users = weakref.WeakSet()
+        self.users = None
         self.cost = 0.0
         self.last_access = clock
         self.cand_index = -1
@@ -200,20 +200,20 @@ class StorageRecord:
         return (self.lo is not None and self.lo <= version
                 and (self.hi is None or version <= self.hi))
 
-    def add_inputs(self, node) -> None:
-        """Link this record to the records ``node`` reads (both ways)."""
-        for ref in node.refs():
-            rec = getattr(ref, 'record', None)
-            if rec is not None and rec is not self:
-                rec.users.add(self)
-                self.inputs.append(rec)
+    def add_input(self, rec) -> None:
+        """Link this record to ``rec``, which its recipe reads (both ways).
+        """
+        if rec.users is None:
+            rec.users = weakref.WeakSet()
+        rec.users.add(self)
+        self.inputs.append(rec)
 
     # DTR's union-find approximation of evicted neighbourhoods --------------
     def evicted_neighbours(self):
         for rec in self.inputs:
             if rec.evicted_class is not None and not rec.resident:
                 yield rec
-        for rec in self.users:
+        for rec in self.users or ():
             if rec.evicted_class is not None and not rec.resident:
                 yield rec
 

@@ -120,8 +120,8 @@ class TiedGPTBlock(nn.Module):
         x = self.drop(self.emb(tokens))
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
-                   for t in (q, k, v))
+        q, k, v = (
+            t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / (C // self.heads)**0.5
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         att = self.drop(att.masked_fill(~mask, float('-inf')).softmax(-1))

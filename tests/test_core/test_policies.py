@@ -9,7 +9,7 @@ import torch
 from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
                                  LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
                                  build_policy)
-from mmdtr.core.records import OpNode, RecordRef, StorageRecord
+from mmdtr.core.records import StorageRecord
 from mmdtr.errors import MmdtrError
 
 
@@ -23,7 +23,7 @@ def record(nbytes, cost, last_access, resident=True):
 def chain(*records):
     """Link records as a chain a -> b -> c (b's recipe reads a, ...)."""
     for a, b in zip(records, records[1:]):
-        b.add_inputs(OpNode(None, (RecordRef(a, 0, None), ), {}, b.cost))
+        b.add_input(a)
 
 
 def test_dtr_prefers_cheap_large_stale_storages():
@@ -32,9 +32,11 @@ def test_dtr_prefers_cheap_large_stale_storages():
     costly = record(1000, 1000.0, 90)
     small = record(10, 10.0, 90)
     fresh = record(1000, 10.0, 100)
-    scores = {n: policy.score(r, clock) for n, r in
-              dict(cheap=cheap, costly=costly, small=small,
-                   fresh=fresh).items()}
+    scores = {
+        n: policy.score(r, clock)
+        for n, r in dict(cheap=cheap, costly=costly, small=small,
+                         fresh=fresh).items()
+    }
     assert min(scores, key=scores.get) == 'cheap'
     assert scores['cheap'] < scores['costly']
     assert scores['cheap'] < scores['small']
@@ -78,8 +80,7 @@ def test_policies_are_pure():
     for cls in POLICIES.values():
         cls().score(rec, 7)
         cls().score(rec, 7)
-    assert (rec.nbytes, rec.cost, rec.last_access,
-            rec.remat_count) == before
+    assert (rec.nbytes, rec.cost, rec.last_access, rec.remat_count) == before
 
 
 def test_build_policy_accepts_names_and_instances():

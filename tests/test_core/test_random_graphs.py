@@ -75,8 +75,10 @@ def test_random_graphs_are_bit_identical(program, seed, sqrt_sampling):
     w0 = torch.randn(32, 32) * 0.2
     expected = run(program, seed, w0)
     rng = torch.get_rng_state()
-    with DTR(eviction_threshold=1, evictee_minimum_size=1,
-             enable_sqrt_sampling=sqrt_sampling) as engine:
+    with DTR(
+            eviction_threshold=1,
+            evictee_minimum_size=1,
+            enable_sqrt_sampling=sqrt_sampling) as engine:
         got = run(program, seed, w0)
     assert torch.equal(torch.get_rng_state(), rng)
     for e, g in zip(expected, got):

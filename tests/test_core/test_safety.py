@@ -127,9 +127,10 @@ def test_records_do_not_grow_across_iterations():
             model.zero_grad(set_to_none=True)
             model(x).square().sum().backward()
             state = engine._state
-            sizes.append((len(state.records), len(state.candidates),
-                          sum(len(users)
-                              for users, _ in state.external_users.values())))
+            sizes.append(
+                (len(state.records), len(state.candidates),
+                 sum(len(users)
+                     for users, _ in state.external_users.values())))
     assert sizes[1] == sizes[2] == sizes[3], sizes
     assert sizes[-1][1] == 0
 
@@ -183,10 +184,10 @@ def test_module_level_switches_match_megengine():
     (dict(eviction_threshold=None), 'needs CUDA'),
     (dict(eviction_threshold='5 lightyears'), "'5 lightyears'"),
     (dict(eviction_threshold=1.5), 'is not a size'),
-    (dict(eviction_threshold='1GB', evictee_minimum_size='x'),
-     'evictee_minimum_size'),
-    (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
-     'enable_sqrt_sampling'),
+    (dict(eviction_threshold='1GB',
+          evictee_minimum_size='x'), 'evictee_minimum_size'),
+    (dict(eviction_threshold='1GB',
+          enable_sqrt_sampling='yes'), 'enable_sqrt_sampling'),
     (dict(eviction_threshold='1GB', policy='fifo'), "policy='fifo'"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, match):
