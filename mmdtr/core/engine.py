@@ -111,6 +111,10 @@ class EngineState:
             rec.cdata = rec.wref = None
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
+            elif rec.users and rec.lo is not None:
+                # fake deletion: its users' recipes still need it, so it
+                # counts in their evicted neighbourhood (R8)
+                rec.join_evicted_class()
 
     # candidates -----------------------------------------------------------
     def _add_candidate(self, rec):
