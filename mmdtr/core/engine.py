@@ -37,8 +37,8 @@ def _input_storages(args, kwargs) -> set:
 
 
 class _StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers its address."""
-    __slots__ = ('cdata', )
+    """A weak reference to a storage that remembers its address and size."""
+    __slots__ = ('cdata', 'nbytes')
 
 
 class SavedHandle:
@@ -72,6 +72,8 @@ class EngineState:
         self.device = torch.device(device)
         self.cuda = self.device.type == 'cuda'
         self.records = {}  # storage address -> StorageRecord (R11)
+        # storage address -> _StorageRef: unrecorded replay outputs (R11)
+        self.transients = {}
         # external storage address -> (WeakSet of users, weakref to it)
         self.external_users = {}
         self.candidates = []  # evictable records (R3)
@@ -92,6 +94,10 @@ class EngineState:
 
     def _register(self, storage, cdata, rec=None):
         nbytes = storage.nbytes()
+        if self.transients:
+            transient = self.transients.pop(cdata, None)
+            if transient is not None:  # a replay output adopted: counted
+                self.in_use -= transient.nbytes
         if rec is None:
             rec = StorageRecord(nbytes, storage.device, self.clock)
         rec.cdata = cdata
@@ -115,6 +121,35 @@ class EngineState:
                 # fake deletion: its users' recipes still need it, so it
                 # counts in their evicted neighbourhood (R8)
                 rec.join_evicted_class()
+
+    def _meter_replay_outputs(self, func, out):
+        """Count the new storages of a replayed op while they live (R11).
+
+        Replays run below the dispatcher, so their outputs are not
+        registered: the rebuilt storage until it is adopted, an older
+        version rebuilt for one use, the other outputs of a multi-output op.
+        """
+        if not op_info(func).fresh_returns:
+            return
+        for o in out if isinstance(out, (tuple, list)) else (out, ):
+            if not isinstance(o, Tensor):
+                continue
+            storage = o.untyped_storage()
+            cdata = storage._cdata
+            if _use_count(cdata) != 2 or cdata in self.records \
+                    or cdata in self.transients:
+                continue  # not a new storage of this op's own
+            wref = _StorageRef(storage, self._on_transient_free)
+            wref.cdata, wref.nbytes = cdata, storage.nbytes()
+            self.transients[cdata] = wref
+            self.in_use += wref.nbytes
+            if self.in_use > self.peak and not self.cuda:
+                self.peak = self.in_use
+
+    def _on_transient_free(self, wref):
+        if self.transients.get(wref.cdata) is wref:
+            del self.transients[wref.cdata]
+            self.in_use -= wref.nbytes
 
     # candidates -----------------------------------------------------------
     def _add_candidate(self, rec):
@@ -505,9 +540,10 @@ class EngineState:
         creator = rec.creator
         if isinstance(creator, AllocNode):
             with torch._C._DisableTorchDispatch():
-                storage = torch.empty(
-                    creator.nbytes, dtype=torch.uint8,
-                    device=creator.device).untyped_storage()
+                out = torch.empty(
+                    creator.nbytes, dtype=torch.uint8, device=creator.device)
+            self._meter_replay_outputs(torch.ops.aten.empty.memory_format, out)
+            storage = out.untyped_storage()
         else:
             out = self._replay(creator, None)
             outs = out if isinstance(out, (tuple, list)) else (out, )
@@ -530,6 +566,7 @@ class EngineState:
             else:
                 out = self._run_with_rng(node, args, kwargs)
         self.clock += 1
+        self._meter_replay_outputs(node.func, out)
         if self.limit is not None and self.memory_in_use() > self.limit:
             del args, kwargs  # inputs we no longer need may go
             self.evict_until()
@@ -581,6 +618,7 @@ class EngineState:
         """Stop accounting; records still held by autograd stay usable."""
         self.closed = True
         self.records = {}
+        self.transients = {}
         self.external_users = {}
         for rec in self.candidates:
             rec.cand_index = -1
