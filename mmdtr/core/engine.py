@@ -1,22 +1,24 @@
 """The DTR engine's mechanism: accounting, records, eviction, replay.
 
 One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
-hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. The rules
+hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
+holds accounting, records, the dispatch hot path and in-place writes; the
+state's eviction, replay and saved-tensor methods are grouped in the mixins
+of :mod:`.eviction`, :mod:`.replay` and :mod:`.saved_tensors`. The rules
 cited as R1..R12 are in docs/design.md.
 """
 import random
-import sys
-import time
 import weakref
 
 import torch
 
-from mmdtr.errors import MmdtrError
 from .cost_model import op_cost, tensor_bytes
+from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
 from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
-                      SelfRef, StorageRecord, detached_alias, view_meta,
-                      view_of)
+                      SelfRef, StorageRecord, detached_alias, view_meta)
+from .replay import Replayer
+from .saved_tensors import SavedTensors
 
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
@@ -41,19 +43,7 @@ class _StorageRef(weakref.ref):
     __slots__ = ('cdata', 'nbytes')
 
 
-class SavedHandle:
-    """What autograd keeps instead of a managed saved tensor (R10)."""
-    __slots__ = ('state', 'record', 'key', 'version')
-
-    def __init__(self, state, record, key, version):
-        self.state, self.record, self.key = state, record, key
-        self.version = version
-
-    def __del__(self):
-        self.state.release(self.record)
-
-
-class EngineState:
+class EngineState(Evictor, Replayer, SavedTensors):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -150,20 +140,6 @@ class EngineState:
         if self.transients.get(wref.cdata) is wref:
             del self.transients[wref.cdata]
             self.in_use -= wref.nbytes
-
-    # candidates -----------------------------------------------------------
-    def _add_candidate(self, rec):
-        if rec.cand_index < 0 and rec.nbytes >= self.min_size \
-                and rec.recomputable(rec.version):
-            rec.cand_index = len(self.candidates)
-            self.candidates.append(rec)
-
-    def _drop_candidate(self, rec):
-        i, last = rec.cand_index, self.candidates.pop()
-        if last is not rec:
-            self.candidates[i] = last
-            last.cand_index = i
-        rec.cand_index = -1
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
@@ -391,228 +367,6 @@ class EngineState:
             rec.hi = rec.version - 1  # older versions stay recomputable
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
-
-    @staticmethod
-    def _capture_rng(args, kwargs):
-        gen = kwargs.get('generator')
-        if gen is not None:
-            return gen, gen.get_state()
-        device = kwargs.get('device')
-        for a in args:
-            if isinstance(a, Tensor):
-                device = a.device
-                break
-        if device is not None and torch.device(device).type == 'cuda':
-            device = torch.device(device)
-            return ('cuda', device), torch.cuda.get_rng_state(device)
-        return None, torch.get_rng_state()
-
-    # saved tensors (R3, R10) ----------------------------------------------
-    def pack(self, t):
-        if self.closed:
-            return t
-        rec = self.records.get(t.untyped_storage()._cdata)
-        if rec is None or rec.nbytes < self.min_size \
-                or not rec.recomputable(rec.version):
-            return t
-        key = view_meta(t)
-        if key not in rec.views:
-            rec.views[key] = detached_alias(t)
-        rec.handles += 1
-        rec.last_access = self.clock
-        self._add_candidate(rec)
-        return SavedHandle(self, rec, key, rec.version)
-
-    def unpack(self, handle):
-        if not isinstance(handle, SavedHandle):
-            return handle
-        rec = handle.record
-        rec.last_access = self.clock
-        if rec.version == handle.version:
-            t = rec.views.get(handle.key)
-            if t is not None:
-                return t
-            storage = rec.storage()
-            if storage is not None:
-                t = rec.views[handle.key] = view_of(storage, handle.key,
-                                                    rec.device)
-                return t
-        start = time.perf_counter()
-        storage = self.materialize(rec, handle.version)
-        t = view_of(storage, handle.key, rec.device)
-        if rec.version == handle.version and rec.handles:
-            rec.views[handle.key] = t
-            self._add_candidate(rec)
-        self.remat_seconds += time.perf_counter() - start
-        return t
-
-    def release(self, rec):
-        rec.handles -= 1
-        if rec.handles == 0:
-            rec.views.clear()
-            if rec.cand_index >= 0:
-                self._drop_candidate(rec)
-
-    # eviction (R3, R8) ----------------------------------------------------
-    def evict_until(self):
-        """Evict until memory in use is within the limit in force.
-
-        When nothing evictable is left above the threshold, the threshold is
-        unreachable for now: the limit rises to the memory in use plus an
-        eighth of the threshold, and falls back once memory is under the
-        threshold again. Without this, every op near an unreachable
-        threshold would evict the storages needed next (thrashing).
-        """
-        while self.memory_in_use() > self.limit:
-            if not self._evict_one():
-                self.eviction_failures += 1
-                self.limit = self.memory_in_use() + max(self.threshold // 8, 1)
-                return
-
-    def _evict_one(self) -> bool:
-        cands = self.candidates
-        n = len(cands)
-        if n == 0:
-            return False
-        best = None
-        if self.sqrt_sampling and n > 4:
-            k = max(2, int(n**0.5))
-            best = self._best(
-                [cands[i] for i in self._sampler.sample(range(n), k)])
-        if best is None:  # no sampling, or nothing exclusive sampled
-            best = self._best(cands)
-        if best is None:
-            return False
-        self._evict(best)
-        return True
-
-    def _best(self, pool):
-        """The lowest-scored exclusive record of ``pool``, or ``None``."""
-        score, clock = self.policy.score, self.clock
-        best, best_score = None, float('inf')
-        for rec in pool:
-            value = score(rec, clock)
-            # exclusive: only the engine's aliases and the storage's own
-            # Python object (alive while it is) reference it (R3)
-            if value < best_score and \
-                    _use_count(rec.cdata) == len(rec.views) + 1:
-                best, best_score = rec, value
-        return best
-
-    def _evict(self, rec):
-        self._drop_candidate(rec)
-        rec.join_evicted_class()
-        rec.views.clear()  # the storage is freed here; on_free accounts
-        self.evictions += 1
-
-    # replay (R4, R6) ------------------------------------------------------
-    def materialize(self, rec, version):
-        """Return ``rec``'s storage at ``version``, recomputing if needed."""
-        storage = rec.storage()
-        if storage is not None and rec.version == version:
-            rec.last_access = self.clock
-            return storage
-        if not rec.recomputable(version):
-            raise MmdtrError(
-                f'cannot rebuild a storage of {rec.nbytes} bytes at version '
-                f'{version} (recomputable: {rec.lo}..{rec.hi}).',
-                'This is an engine bug (rule R7 should have kept it); '
-                'please report it with the model.')
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 20000))
-        try:
-            storage = self._rebuild(rec, version)
-        finally:
-            sys.setrecursionlimit(limit)
-        rec.last_access = self.clock  # just rebuilt: fresh, not stale
-        if version == rec.version and not rec.resident:
-            self._register(storage, storage._cdata, rec)
-            rec.remat_count += 1
-            self.recomputations += 1
-            if rec.handles:
-                rec.views[(torch.uint8, (rec.nbytes, ), (1, ), 0)] = \
-                    view_of(storage, (torch.uint8, (rec.nbytes, ), (1, ), 0),
-                            rec.device)
-                self._add_candidate(rec)
-        return storage
-
-    def _rebuild(self, rec, version):
-        creator = rec.creator
-        if isinstance(creator, AllocNode):
-            with torch._C._DisableTorchDispatch():
-                out = torch.empty(
-                    creator.nbytes, dtype=torch.uint8, device=creator.device)
-            self._meter_replay_outputs(torch.ops.aten.empty.memory_format, out)
-            storage = out.untyped_storage()
-        else:
-            out = self._replay(creator, None)
-            outs = out if isinstance(out, (tuple, list)) else (out, )
-            storage = outs[rec.out_index].untyped_storage()
-        if storage.nbytes() != rec.nbytes:
-            raise MmdtrError(
-                f'replaying {creator.func} gave {storage.nbytes()} bytes, '
-                f'not {rec.nbytes}.', 'Please report it with the model.')
-        for node in rec.mutations[:version - rec.base]:
-            self._replay(node, storage)
-        return storage
-
-    def _replay(self, node, self_storage):
-        resolve = self._resolve
-        args = tuple(resolve(a, self_storage) for a in node.args)
-        kwargs = {k: resolve(v, self_storage) for k, v in node.kwargs.items()}
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            if node.rng is None:
-                out = self._run(node.func, args, kwargs)
-            else:
-                out = self._run_with_rng(node, args, kwargs)
-        self.clock += 1
-        self._meter_replay_outputs(node.func, out)
-        if self.limit is not None and self.memory_in_use() > self.limit:
-            del args, kwargs  # inputs we no longer need may go
-            self.evict_until()
-        return out
-
-    def _resolve(self, a, self_storage):
-        """An argument of a replayed call, from its reference."""
-        if isinstance(a, RecordRef):
-            return view_of(
-                self.materialize(a.record, a.version), a.meta, a.record.device)
-        if isinstance(a, HeldRef):
-            if a.current_version() != a.version:
-                raise MmdtrError(
-                    f'an input (shape {tuple(a.tensor.shape)}) changed from '
-                    f'version {a.version} to {a.current_version()} outside '
-                    "the engine's sight.", 'Please report it with the model.')
-            return a.tensor
-        if isinstance(a, SelfRef):
-            return view_of(self_storage, a.meta, self_storage.device)
-        if isinstance(a, ScratchRef):
-            with torch._C._DisableTorchDispatch():
-                return a.tensor.clone()
-        if isinstance(a, (list, tuple)):
-            return type(a)(self._resolve(b, self_storage) for b in a)
-        return a
-
-    def _run_with_rng(self, node, args, kwargs):
-        gen, state = node.rng
-        if gen is None:
-            saved = torch.get_rng_state()
-            torch.set_rng_state(state)
-        elif isinstance(gen, tuple):
-            saved = torch.cuda.get_rng_state(gen[1])
-            torch.cuda.set_rng_state(state, gen[1])
-        else:
-            saved = gen.get_state()
-            gen.set_state(state)
-        try:
-            return self._run(node.func, args, kwargs)
-        finally:  # the global stream never shifts (R6)
-            if gen is None:
-                torch.set_rng_state(saved)
-            elif isinstance(gen, tuple):
-                torch.cuda.set_rng_state(saved, gen[1])
-            else:
-                gen.set_state(saved)
 
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""

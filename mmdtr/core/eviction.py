@@ -1,0 +1,81 @@
+"""Eviction: the candidates, the search, and the limit in force.
+
+The eviction half of :class:`~mmdtr.core.engine.EngineState` (one state
+object per engine; this mixin only groups its methods). Rules R3 and R8 of
+docs/design.md.
+"""
+import torch
+
+_use_count = torch._C._storage_Use_Count
+
+
+class Evictor:
+    """Chooses and evicts storages; mixed into ``EngineState``.
+
+    Reads the state's ``candidates``, ``policy``, ``clock``, ``limit``,
+    ``threshold``, ``min_size``, ``sqrt_sampling`` and ``_sampler``.
+    """
+
+    def _add_candidate(self, rec):
+        if rec.cand_index < 0 and rec.nbytes >= self.min_size \
+                and rec.recomputable(rec.version):
+            rec.cand_index = len(self.candidates)
+            self.candidates.append(rec)
+
+    def _drop_candidate(self, rec):
+        i, last = rec.cand_index, self.candidates.pop()
+        if last is not rec:
+            self.candidates[i] = last
+            last.cand_index = i
+        rec.cand_index = -1
+
+    def evict_until(self):
+        """Evict until memory in use is within the limit in force.
+
+        When nothing evictable is left above the threshold, the threshold is
+        unreachable for now: the limit rises to the memory in use plus an
+        eighth of the threshold, and falls back once memory is under the
+        threshold again. Without this, every op near an unreachable
+        threshold would evict the storages needed next (thrashing).
+        """
+        while self.memory_in_use() > self.limit:
+            if not self._evict_one():
+                self.eviction_failures += 1
+                self.limit = self.memory_in_use() + max(self.threshold // 8, 1)
+                return
+
+    def _evict_one(self) -> bool:
+        cands = self.candidates
+        n = len(cands)
+        if n == 0:
+            return False
+        best = None
+        if self.sqrt_sampling and n > 4:
+            k = max(2, int(n**0.5))
+            best = self._best(
+                [cands[i] for i in self._sampler.sample(range(n), k)])
+        if best is None:  # no sampling, or nothing exclusive sampled
+            best = self._best(cands)
+        if best is None:
+            return False
+        self._evict(best)
+        return True
+
+    def _best(self, pool):
+        """The lowest-scored exclusive record of ``pool``, or ``None``."""
+        score, clock = self.policy.score, self.clock
+        best, best_score = None, float('inf')
+        for rec in pool:
+            value = score(rec, clock)
+            # exclusive: only the engine's aliases and the storage's own
+            # Python object (alive while it is) reference it (R3)
+            if value < best_score and \
+                    _use_count(rec.cdata) == len(rec.views) + 1:
+                best, best_score = rec, value
+        return best
+
+    def _evict(self, rec):
+        self._drop_candidate(rec)
+        rec.join_evicted_class()
+        rec.views.clear()  # the storage is freed here; on_free accounts
+        self.evictions += 1

@@ -1,0 +1,146 @@
+"""Replay: rebuilding a storage, exactly, from its recipe.
+
+The replay half of :class:`~mmdtr.core.engine.EngineState` (one state
+object per engine; this mixin only groups its methods). Rules R4 and R6 of
+docs/design.md.
+"""
+import sys
+
+import torch
+
+from mmdtr.errors import MmdtrError
+from .records import (AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef,
+                      view_of)
+
+Tensor = torch.Tensor
+
+
+class Replayer:
+    """Rebuilds storages by replaying recipes; mixed into ``EngineState``.
+
+    Uses the state's accounting (``_register``, ``_meter_replay_outputs``),
+    eviction (``evict_until``) and ``_run``.
+    """
+
+    @staticmethod
+    def _capture_rng(args, kwargs):
+        gen = kwargs.get('generator')
+        if gen is not None:
+            return gen, gen.get_state()
+        device = kwargs.get('device')
+        for a in args:
+            if isinstance(a, Tensor):
+                device = a.device
+                break
+        if device is not None and torch.device(device).type == 'cuda':
+            device = torch.device(device)
+            return ('cuda', device), torch.cuda.get_rng_state(device)
+        return None, torch.get_rng_state()
+
+    def materialize(self, rec, version):
+        """Return ``rec``'s storage at ``version``, recomputing if needed."""
+        storage = rec.storage()
+        if storage is not None and rec.version == version:
+            rec.last_access = self.clock
+            return storage
+        if not rec.recomputable(version):
+            raise MmdtrError(
+                f'cannot rebuild a storage of {rec.nbytes} bytes at version '
+                f'{version} (recomputable: {rec.lo}..{rec.hi}).',
+                'This is an engine bug (rule R7 should have kept it); '
+                'please report it with the model.')
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20000))
+        try:
+            storage = self._rebuild(rec, version)
+        finally:
+            sys.setrecursionlimit(limit)
+        rec.last_access = self.clock  # just rebuilt: fresh, not stale
+        if version == rec.version and not rec.resident:
+            self._register(storage, storage._cdata, rec)
+            rec.remat_count += 1
+            self.recomputations += 1
+            if rec.handles:
+                rec.views[(torch.uint8, (rec.nbytes, ), (1, ), 0)] = \
+                    view_of(storage, (torch.uint8, (rec.nbytes, ), (1, ), 0),
+                            rec.device)
+                self._add_candidate(rec)
+        return storage
+
+    def _rebuild(self, rec, version):
+        creator = rec.creator
+        if isinstance(creator, AllocNode):
+            with torch._C._DisableTorchDispatch():
+                out = torch.empty(
+                    creator.nbytes, dtype=torch.uint8, device=creator.device)
+            self._meter_replay_outputs(torch.ops.aten.empty.memory_format, out)
+            storage = out.untyped_storage()
+        else:
+            out = self._replay(creator, None)
+            outs = out if isinstance(out, (tuple, list)) else (out, )
+            storage = outs[rec.out_index].untyped_storage()
+        if storage.nbytes() != rec.nbytes:
+            raise MmdtrError(
+                f'replaying {creator.func} gave {storage.nbytes()} bytes, '
+                f'not {rec.nbytes}.', 'Please report it with the model.')
+        for node in rec.mutations[:version - rec.base]:
+            self._replay(node, storage)
+        return storage
+
+    def _replay(self, node, self_storage):
+        resolve = self._resolve
+        args = tuple(resolve(a, self_storage) for a in node.args)
+        kwargs = {k: resolve(v, self_storage) for k, v in node.kwargs.items()}
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            if node.rng is None:
+                out = self._run(node.func, args, kwargs)
+            else:
+                out = self._run_with_rng(node, args, kwargs)
+        self.clock += 1
+        self._meter_replay_outputs(node.func, out)
+        if self.limit is not None and self.memory_in_use() > self.limit:
+            del args, kwargs  # inputs we no longer need may go
+            self.evict_until()
+        return out
+
+    def _resolve(self, a, self_storage):
+        """An argument of a replayed call, from its reference."""
+        if isinstance(a, RecordRef):
+            return view_of(
+                self.materialize(a.record, a.version), a.meta, a.record.device)
+        if isinstance(a, HeldRef):
+            if a.current_version() != a.version:
+                raise MmdtrError(
+                    f'an input (shape {tuple(a.tensor.shape)}) changed from '
+                    f'version {a.version} to {a.current_version()} outside '
+                    "the engine's sight.", 'Please report it with the model.')
+            return a.tensor
+        if isinstance(a, SelfRef):
+            return view_of(self_storage, a.meta, self_storage.device)
+        if isinstance(a, ScratchRef):
+            with torch._C._DisableTorchDispatch():
+                return a.tensor.clone()
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._resolve(b, self_storage) for b in a)
+        return a
+
+    def _run_with_rng(self, node, args, kwargs):
+        gen, state = node.rng
+        if gen is None:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(state)
+        elif isinstance(gen, tuple):
+            saved = torch.cuda.get_rng_state(gen[1])
+            torch.cuda.set_rng_state(state, gen[1])
+        else:
+            saved = gen.get_state()
+            gen.set_state(state)
+        try:
+            return self._run(node.func, args, kwargs)
+        finally:  # the global stream never shifts (R6)
+            if gen is None:
+                torch.set_rng_state(saved)
+            elif isinstance(gen, tuple):
+                torch.cuda.set_rng_state(saved, gen[1])
+            else:
+                gen.set_state(saved)
