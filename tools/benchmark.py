@@ -67,6 +67,12 @@ def parse_args(argv=None):
         help="'cpu', 'cuda', 'cuda:N' or 'auto' (default)")
     work.add_argument('--warmup', type=int, help='default 1')
     work.add_argument('--steps', type=int, help='measured steps, default 3')
+    work.add_argument(
+        '--repeats',
+        type=int,
+        default=1,
+        help='sweep: run every configuration this many times, in rounds, '
+        'pooling the measured steps (default 1)')
     work.add_argument('--optimizer', choices=('sgd', 'none'), default='sgd')
     work.add_argument(
         '--blocks',
@@ -164,7 +170,8 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
         seed=args.seed)
     launcher = Launcher(args.launcher, osp.join(work_dir, 'logs'),
                         args.timeout)
-    return BenchmarkSuite(launcher, not args.no_progress, **settings)
+    return BenchmarkSuite(launcher, not args.no_progress, args.repeats,
+                          **settings)
 
 
 def _match(value: str):
@@ -192,7 +199,8 @@ def run_command(command: str, args, suite: BenchmarkSuite) -> tuple:
         settings.update(
             policy=args.policy,
             fractions=list(fractions),
-            thresholds=thresholds)
+            thresholds=thresholds,
+            repeats=args.repeats)
         runs = suite.sweep(fractions, thresholds, args.policy)
         return 'sweep', dict(settings=settings, runs=runs)
     if command == 'compare':
@@ -242,6 +250,8 @@ def check_args(args) -> None:
         parse_size(threshold, '--thresholds')
     if any(not 0 < f for f in args.fractions or ()):
         raise MmdtrError(f'--fractions {args.fractions} must be positive.')
+    if args.repeats < 1:
+        raise MmdtrError(f'--repeats {args.repeats} must be at least 1.')
 
 
 def main(argv=None) -> int:

@@ -140,7 +140,7 @@ def _run_table(records: List[dict], extra: str) -> List[str]:
 def _settings_line(
     settings: dict,
     keys=('config', 'batch_size', 'image_size', 'seq_len', 'device', 'warmup',
-          'steps', 'optimizer')
+          'steps', 'repeats', 'optimizer')
 ) -> str:
     return ', '.join(f'{k}={settings.get(k)}' for k in keys
                      if settings.get(k) is not None)

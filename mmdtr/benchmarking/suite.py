@@ -6,6 +6,7 @@ JSON-able records: the run's result with its name, technique, policy,
 threshold and batch size. Identical specs are run once per suite.
 """
 import json
+import statistics
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mmdtr.core.policies import POLICIES
@@ -82,8 +83,13 @@ class BenchmarkSuite:
             runs: ``config``, ``batch_size``, ``device``, ``warmup``, ...
     """
 
-    def __init__(self, launcher: Launcher, progress: bool = True, **settings):
+    def __init__(self,
+                 launcher: Launcher,
+                 progress: bool = True,
+                 repeats: int = 1,
+                 **settings):
         self.launcher, self.progress = launcher, progress
+        self.repeats = repeats
         self.settings = settings
         self._cache: Dict[str, dict] = {}
 
@@ -112,6 +118,8 @@ class BenchmarkSuite:
             batch_size=spec['batch_size'])
         record.update(extra)
         record.update(self._cache[key])
+        if self.repeats > 1:
+            record['spec'], record['repeats'] = spec, 1
         bar.update(f'{name}: {record["status"]}')
         return record
 
@@ -134,7 +142,8 @@ class BenchmarkSuite:
         Returns:
             list[dict]: Records; ``fraction`` is set on fraction runs.
         """
-        bar = self.bar(2 + len(fractions) + len(thresholds), 'sweep')
+        runs = 2 + len(fractions) + len(thresholds)
+        bar = self.bar(runs * self.repeats, 'sweep')
         records = [self.baseline(bar), self.no_eviction(bar, policy)]
         peak = records[1]['peak_engine']
         for fraction in fractions:
@@ -161,8 +170,31 @@ class BenchmarkSuite:
                     f'dtr@{threshold}B',
                     self.spec('dtr', threshold=int(threshold), policy=policy),
                     bar))
+        for repeat in range(2, self.repeats + 1):
+            for record in records:
+                self._repeat(record, repeat, bar)
         bar.close()
         return records
+
+    def _repeat(self, record: dict, repeat: int, bar: Progress) -> None:
+        """Run ``record``'s spec again and pool its step times into it.
+
+        Rounds go through every run in turn, so a drift in the machine's
+        speed (other tenants, thermal state) falls on all runs alike.
+        """
+        spec = record.get('spec')
+        if spec is None or record['status'] != 'ok':
+            bar.update()
+            return
+        name = f"{record['name']} (repeat {repeat})"
+        bar.set_label(name)
+        more = self.launcher.run(spec, name)
+        bar.update(f'{name}: {more["status"]}')
+        if more['status'] != 'ok':
+            return
+        record['step_times_s'] = record['step_times_s'] + more['step_times_s']
+        record['median_step_s'] = statistics.median(record['step_times_s'])
+        record['repeats'] = repeat
 
     def baseline(self, bar: Progress) -> dict:
         """The run without any technique (engine-metered in an extra step)."""

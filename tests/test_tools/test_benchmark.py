@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from mmdtr.benchmarking import (NO_EVICTION, Launcher, Workload,
-                                apply_technique, block_names,
+from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
+                                Workload, apply_technique, block_names,
                                 checkpoint_segments, largest_fitting,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.report import markdown
@@ -281,6 +281,7 @@ def tool():
     (['compare', '--match', 'magic'], 'neither a technique'),
     (['sweep', '--thresholds', '1XB'], 'is not a size'),
     (['sweep', '--fractions', '0.5', '-1'], 'must be positive'),
+    (['sweep', '--repeats', '0'], 'must be at least 1'),
 ])
 def test_bad_arguments_fail_before_any_run(tool, tmp_path, argv, match):
     args = tool.parse_args([RESNET] + argv + ['--work-dir', str(tmp_path)])
@@ -298,3 +299,37 @@ def test_cuda_device_without_cuda_fails(tool):
 def test_report_needs_results(tool, tmp_path):
     with pytest.raises(MmdtrError, match='no .*results.json'):
         tool.main([RESNET, 'report', '--work-dir', str(tmp_path)])
+
+
+class _CannedLauncher:
+    """Answers every run with the next of a list of step times."""
+
+    def __init__(self):
+        self.calls, self.step = [], 0.0
+
+    def run(self, spec, name='run'):
+        self.calls.append(name)
+        self.step += 1.0
+        return dict(
+            status='ok',
+            step_times_s=[self.step],
+            median_step_s=self.step,
+            peak_engine=1000,
+            peak_independent=1000)
+
+
+def test_repeats_run_in_rounds_and_pool_the_steps():
+    launcher = _CannedLauncher()
+    suite = BenchmarkSuite(
+        launcher, False, 3, config=RESNET, batch_size=2, device='cpu')
+    records = suite.sweep(fractions=(0.5, ))
+    # rounds: every run once, then every run again, ...
+    assert launcher.calls == [
+        'baseline', 'dtr (no eviction)', 'dtr@0.5', 'baseline (repeat 2)',
+        'dtr (no eviction) (repeat 2)', 'dtr@0.5 (repeat 2)',
+        'baseline (repeat 3)', 'dtr (no eviction) (repeat 3)',
+        'dtr@0.5 (repeat 3)'
+    ]
+    baseline = records[0]
+    assert baseline['step_times_s'] == [1.0, 4.0, 7.0]
+    assert baseline['median_step_s'] == 4.0 and baseline['repeats'] == 3
