@@ -237,6 +237,7 @@ def _record(name, technique, step, threshold=None, fraction=None):
         status='ok',
         error=None,
         median_step_s=step,
+        step_times_s=[step, step * 0.5 + (technique == 'dtr') * 0.1],
         peak_engine=100 * 2**20,
         peak_independent=101 * 2**20,
         evictions=1.0,
@@ -262,6 +263,8 @@ def test_markdown_marks_targets_from_the_slowdown():
     assert '<= 1.35x: met' in rows['dtr@0.25']
     assert '<=' not in rows['dtr@0.7']
     assert '| 1.20x |' in rows['dtr@0.5']
+    # fastest step over the baseline's fastest: (0.6 + 0.1) / 0.5
+    assert '| 1.40x |' in rows['dtr@0.5']
     assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
 
 
