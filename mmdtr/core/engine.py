@@ -38,6 +38,10 @@ def _input_storages(args, kwargs) -> set:
     return cdatas
 
 
+def _scratch_ref(a):
+    return ScratchRef(detached_alias(a)) if isinstance(a, Tensor) else a
+
+
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers its address and size."""
     __slots__ = ('cdata', 'nbytes')
@@ -274,18 +278,25 @@ class EngineState(Evictor, Replayer, SavedTensors):
 
     def _make_node(self, func, args, kwargs, out, scratch, rng, target):
         cost = op_cost(func, args, kwargs, out)
-        new_args = [self._ref_arg(a, target) for a in args]
-        new_kwargs = {k: self._ref_arg(v, target) for k, v in kwargs.items()}
-        if scratch:  # arguments written as a side effect (R6)
+        if scratch:  # arguments written as a side effect get copies (R6)
             names = op_info(func).arg_names
-            for i in scratch:
-                if i < len(args):
-                    if isinstance(args[i], Tensor):
-                        new_args[i] = ScratchRef(detached_alias(args[i]))
-                elif isinstance(kwargs.get(names[i]), Tensor):
-                    new_kwargs[names[i]] = ScratchRef(
-                        detached_alias(kwargs[names[i]]))
-        return OpNode(func, tuple(new_args), new_kwargs, cost, rng)
+            scratch_names = {names[i] for i in scratch}
+            new_args = tuple(
+                _scratch_ref(a) if i in scratch else self._ref_arg(a, target)
+                for i, a in enumerate(args))
+            new_kwargs = {
+                k:
+                _scratch_ref(v) if k in scratch_names else self._ref_arg(
+                    v, target)
+                for k, v in kwargs.items()
+            }
+        else:
+            new_args = tuple([self._ref_arg(a, target) for a in args])
+            new_kwargs = {
+                k: self._ref_arg(v, target)
+                for k, v in kwargs.items()
+            }
+        return OpNode(func, new_args, new_kwargs, cost, rng)
 
     def _ref_arg(self, a, target):
         if isinstance(a, Tensor):
