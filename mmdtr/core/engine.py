@@ -95,13 +95,18 @@ class EngineState(Evictor, Replayer, SavedTensors):
         if rec is None:
             rec = StorageRecord(nbytes, storage.device, self.clock)
         rec.cdata = cdata
-        rec.wref = _StorageRef(storage, self._on_free)
-        rec.wref.cdata = cdata
+        rec.wref = self._count(storage, cdata, nbytes, self._on_free)
         self.records[cdata] = rec
+        return rec
+
+    def _count(self, storage, cdata, nbytes, on_free):
+        """Add ``storage`` to memory in use until ``on_free`` sees it go."""
+        wref = _StorageRef(storage, on_free)
+        wref.cdata, wref.nbytes = cdata, nbytes
         self.in_use += nbytes
         if self.in_use > self.peak and not self.cuda:
             self.peak = self.in_use
-        return rec
+        return wref
 
     def _on_free(self, wref):
         """A registered storage was freed (evicted or dropped): account."""
@@ -133,12 +138,9 @@ class EngineState(Evictor, Replayer, SavedTensors):
             if _use_count(cdata) != 2 or cdata in self.records \
                     or cdata in self.transients:
                 continue  # not a new storage of this op's own
-            wref = _StorageRef(storage, self._on_transient_free)
-            wref.cdata, wref.nbytes = cdata, storage.nbytes()
-            self.transients[cdata] = wref
-            self.in_use += wref.nbytes
-            if self.in_use > self.peak and not self.cuda:
-                self.peak = self.in_use
+            self.transients[cdata] = self._count(storage, cdata,
+                                                 storage.nbytes(),
+                                                 self._on_transient_free)
 
     def _on_transient_free(self, wref):
         if self.transients.get(wref.cdata) is wref:
