@@ -3,7 +3,8 @@
 Test modules cannot import each other (``--import-mode=importlib``), so
 what they share lives here: the single-thread switch, a free TCP port and a
 one-rank process group, ``tools/train.py`` as a module, a toy runner config
-factory, and a tiny linear model and dataset registered with MMEngine.
+factory, and the toys registered with MMEngine: a tiny linear model and
+dataset, a small conv net of two stages, and seeded random images.
 """
 import importlib.util
 import os
@@ -98,26 +99,28 @@ def _toy_runner_cfg(work_dir,
                     **keys):
     """A small iteration-based training config for a registered toy model.
 
-    ``model`` and ``dataset`` are registered type names; ``name`` prefixes
-    a unique experiment name. ``optimizer`` defaults to SGD with lr=0.1.
-    Every other key (``default_hooks``, ``randomness``, ``log_level``...)
-    is set as given, after the common ones. ``config=False`` returns the
-    plain dict instead of a ``Config``.
+    ``model`` and ``dataset`` are registered type names, or config dicts
+    with arguments; ``name`` prefixes a unique experiment name.
+    ``optimizer`` defaults to SGD with lr=0.1. Every other key
+    (``default_hooks``, ``randomness``, ``log_level``...) is set as given,
+    after the common ones. ``config=False`` returns the plain dict instead
+    of a ``Config``.
     """
     cfg = dict(
-        model=dict(type=model),
+        model=model if isinstance(model, dict) else dict(type=model),
         work_dir=str(work_dir),
         experiment_name=f'{name}_{uuid.uuid4().hex}',
         train_dataloader=dict(
-            dataset=dict(type=dataset),
+            dataset=dataset if isinstance(dataset, dict) else dict(
+                type=dataset),
             sampler=dict(type='DefaultSampler', shuffle=shuffle),
             batch_size=batch_size,
             num_workers=0,
             collate_fn=dict(type='default_collate')),
         train_cfg=dict(by_epoch=False, max_iters=max_iters),
         optim_wrapper=dict(
-            optimizer=dict(type='SGD', lr=0.1
-                           ) if optimizer is None else optimizer))
+            optimizer=dict(type='SGD', lr=0.1) if optimizer is
+            None else optimizer))
     cfg.update(keys)
     return Config(cfg) if config else cfg
 
@@ -158,3 +161,87 @@ class RangeToyDataset(Dataset):
 def linear_toy_model():
     """The class registered as ``LinearToyModel``."""
     return LinearToyModel
+
+
+class ConvStage(nn.Module):
+    """Conv-BN-ReLU blocks; the forward takes a keyword-only argument."""
+
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.blocks = nn.Sequential(*[
+            nn.Sequential(
+                nn.Conv2d(width, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
+        ])
+
+    def forward(self, x, *, scale=None):
+        x = self.blocks(x)
+        return x if scale is None else x * scale
+
+
+@MODELS.register_module(force=True)
+class ConvToyNet(BaseModel):
+    """A stem and two :class:`ConvStage` s (``backbone.layer1/2``), a head.
+
+    Args:
+        norm_eval (bool): Keep every BatchNorm in eval mode while training.
+        scales (tuple): The ``scale`` passed to layer1 and layer2.
+        running_var (float, optional): Fills the BatchNorms' running
+            variances ("pretrained" statistics).
+    """
+
+    def __init__(self, norm_eval=False, scales=(None, None), running_var=None):
+        super().__init__()
+        self.norm_eval, self.scales = norm_eval, tuple(scales)
+        self.backbone = nn.Module()
+        self.backbone.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.backbone.layer1 = ConvStage()
+        self.backbone.layer2 = ConvStage()
+        self.head = nn.Linear(8, 2)
+        if running_var is not None:
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_var.fill_(running_var)
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+        return self
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        x = self.backbone.stem(inputs)
+        x = self.backbone.layer1(x, scale=self.scales[0])
+        x = self.backbone.layer2(x, scale=self.scales[1])
+        logits = self.head(x.mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits, labels))
+        return logits
+
+
+@DATASETS.register_module(force=True)
+class SeededToyImages(Dataset):
+    """``length`` images of 3 x ``size`` x ``size``, each from its own
+    seeded generator (never the global RNG); labels ``i % 2``."""
+    metainfo = dict(classes=('a', 'b'))
+
+    def __init__(self, length=8, size=8):
+        self.length, self.size = length, size
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return dict(
+            inputs=torch.randn(3, self.size, self.size, generator=g),
+            labels=i % 2)
+
+
+@pytest.fixture(scope='session')
+def seeded_toy_images():
+    """The class registered as ``SeededToyImages``."""
+    return SeededToyImages

@@ -3,13 +3,7 @@ import glob
 import os.path as osp
 
 import pytest
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
 from mmengine.runner import Runner
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.activation_checkpointing_hook import (
     ActivationCheckpointingHook, translate_activation_checkpointing)
@@ -19,62 +13,14 @@ from mmdtr.registry import HOOKS
 from mmdtr.techniques.activation_checkpointing import is_checkpointed
 
 
-class Stage(nn.Module):
-    """Conv-BN-ReLU blocks; the forward takes a keyword-only argument."""
-
-    def __init__(self, width=8, depth=2):
-        super().__init__()
-        self.blocks = nn.Sequential(*[
-            nn.Sequential(
-                nn.Conv2d(width, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
-        ])
-
-    def forward(self, x, *, scale=1.0):
-        return self.blocks(x) * scale
-
-
-@MODELS.register_module(force=True)
-class ACHookToyNet(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.backbone = nn.Module()
-        self.backbone.stem = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.backbone.layer1 = Stage()
-        self.backbone.layer2 = Stage()
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        x = self.backbone.stem(inputs)
-        x = self.backbone.layer1(x, scale=0.5)
-        x = self.backbone.layer2(x, scale=2.0)
-        logits = self.head(x.mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=F.cross_entropy(logits, labels))
-        return logits
-
-
-@DATASETS.register_module(force=True)
-class ACHookToyImages(Dataset):
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return dict(inputs=torch.randn(3, 8, 8, generator=g), labels=i % 2)
-
-
 @pytest.fixture
 def make_cfg(toy_runner_cfg):
 
     def make(work_dir, **kwargs):
         return toy_runner_cfg(
             work_dir,
-            'ACHookToyNet',
-            'ACHookToyImages',
+            dict(type='ConvToyNet', scales=(0.5, 2.0)),
+            'SeededToyImages',
             'ac',
             default_hooks=dict(checkpoint=None),
             randomness=dict(seed=0),

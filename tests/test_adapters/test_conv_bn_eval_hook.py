@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from mmcv.cnn import ConvModule
 from mmengine.logging import MMLogger
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
+from mmengine.registry import MODELS
 from mmengine.runner import Runner
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.conv_bn_eval_hook import (EfficientConvBnEvalHook,
@@ -60,17 +59,6 @@ class ConvBnHookToyNet(BaseModel):
         return logits
 
 
-@DATASETS.register_module(force=True)
-class ConvBnHookToyImages(Dataset):
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return dict(inputs=torch.randn(3, 8, 8, generator=g), labels=i % 2)
-
-
 @pytest.fixture
 def make_cfg(toy_runner_cfg):
 
@@ -78,7 +66,7 @@ def make_cfg(toy_runner_cfg):
         return toy_runner_cfg(
             work_dir,
             'ConvBnHookToyNet',
-            'ConvBnHookToyImages',
+            'SeededToyImages',
             'cbe',
             default_hooks=dict(checkpoint=None),
             randomness=dict(seed=0),
@@ -118,7 +106,7 @@ def test_mmcv_conv_module_support():
     assert not mmcv_conv_module_support(nn.Conv2d(2, 2, 1))
 
 
-def test_hook_matches_plain_and_logs(make_cfg, tmp_path):
+def test_hook_matches_plain_and_logs(make_cfg, tmp_path, seeded_toy_images):
     cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone', 'head'])
     runner = Runner.from_cfg(translate_memory_keys(cfg))
     assert 'efficient_conv_bn_eval' not in runner.cfg  # not MMEngine's
@@ -146,7 +134,7 @@ def test_hook_matches_plain_and_logs(make_cfg, tmp_path):
     model = runner.model
     plain.train()
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
-    data = ConvBnHookToyImages()
+    data = seeded_toy_images()
     for start in (0, 4):
         batch = [data[i] for i in range(start, start + 4)]
         inputs = torch.stack([b['inputs'] for b in batch])

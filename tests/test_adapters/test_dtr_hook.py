@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from mmengine.config import Config
 from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, METRICS, MODELS
+from mmengine.registry import METRICS, MODELS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
@@ -28,14 +27,8 @@ DTR_CFG = dict(eviction_threshold='96KB', evictee_minimum_size='4KB')
 cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason='a threshold is optional on CUDA')
 
-
-@pytest.fixture(autouse=True, scope='module')
-def single_thread():
-    """Two OpenMP threads spin against other processes on a shared box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# two OpenMP threads spin against other processes on a shared box
+pytestmark = pytest.mark.usefixtures('single_thread')
 
 
 class _FailInBackward(torch.autograd.Function):
@@ -83,18 +76,6 @@ class DTRHookToyNet(BaseModel):
         return logits
 
 
-@DATASETS.register_module(force=True)
-class DTRHookToyImages(Dataset):
-    metainfo = dict(classes=('a', 'b'))
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return dict(inputs=torch.randn(3, 16, 16, generator=g), labels=i % 2)
-
-
 @METRICS.register_module(force=True)
 class DTRHookToyMetric(BaseMetric):
 
@@ -111,7 +92,7 @@ def make_cfg(work_dir, **kwargs):
         work_dir=str(work_dir),
         experiment_name=f'dtr_hook_{uuid.uuid4().hex}',
         train_dataloader=dict(
-            dataset=dict(type='DTRHookToyImages'),
+            dataset=dict(type='SeededToyImages', size=16),
             sampler=dict(type='DefaultSampler', shuffle=False),
             batch_size=4,
             num_workers=0,
@@ -288,7 +269,7 @@ def test_validation_does_not_run_under_dtr(tmp_path):
         dtr=DTR_CFG,
         train_cfg=dict(by_epoch=False, max_iters=4, val_interval=2),
         val_dataloader=dict(
-            dataset=dict(type='DTRHookToyImages'),
+            dataset=dict(type='SeededToyImages', size=16),
             sampler=dict(type='DefaultSampler', shuffle=False),
             batch_size=4,
             num_workers=0,

@@ -39,7 +39,6 @@ DTR_CFG = dict(eviction_threshold='64KB', evictee_minimum_size='4KB')
 cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason='tests the CPU-only path')
 
-
 pytestmark = pytest.mark.usefixtures('single_thread')
 
 

@@ -13,20 +13,15 @@ Torch runs single-threaded here: on a shared 2-core box, OpenMP's two
 threads spin against other processes and make every run many times slower.
 """
 import glob
-import importlib.util
 import json
 import os.path as osp
 import uuid
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, HOOKS, MODELS
-from torch.utils.data import Dataset
+from mmengine.registry import HOOKS
 
 from mmdtr.adapters.dtr_model_wrapper import SCALARS, dtr_mode_active
 from mmdtr.adapters.runner import MMDTRRunner
@@ -154,65 +149,6 @@ def test_workload_bit_identical_under_dtr(name, tmp_path):
 
 
 # --- combinations, on a toy model -----------------------------------------
-class ComboStage(nn.Module):
-
-    def __init__(self, width=8, depth=2):
-        super().__init__()
-        self.blocks = nn.Sequential(*[
-            nn.Sequential(
-                nn.Conv2d(width, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
-        ])
-
-    def forward(self, x):
-        return self.blocks(x)
-
-
-@MODELS.register_module(force=True)
-class DTRComboToyNet(BaseModel):
-    """Stem and two stages on 16x16 maps; ``norm_eval`` freezes the BNs."""
-
-    def __init__(self, norm_eval=False):
-        super().__init__()
-        self.norm_eval = norm_eval
-        self.backbone = nn.Module()
-        self.backbone.stem = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.backbone.layer1 = ComboStage()
-        self.backbone.layer2 = ComboStage()
-        self.head = nn.Linear(8, 2)
-        for m in self.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_var.fill_(1.5)
-
-    def train(self, mode=True):
-        super().train(mode)
-        if mode and self.norm_eval:
-            for m in self.modules():
-                if isinstance(m, nn.BatchNorm2d):
-                    m.eval()
-        return self
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        x = self.backbone.stem(inputs)
-        x = self.backbone.layer2(self.backbone.layer1(x))
-        logits = self.head(x.mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=F.cross_entropy(logits, labels))
-        return logits
-
-
-@DATASETS.register_module(force=True)
-class DTRComboToyImages(Dataset):
-
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return dict(inputs=torch.randn(3, 16, 16, generator=g), labels=i % 2)
-
-
 @HOOKS.register_module(force=True)
 class DTRComboProbeHook(Hook):
     """Counts optimizer steps; checks DTR is off at each step and after."""
@@ -233,40 +169,51 @@ class DTRComboProbeHook(Hook):
 # 4 samples of 8x16x16 per activation: 32 KiB
 COMBO_DTR = dict(eviction_threshold='160KB', evictee_minimum_size='8KB')
 
+COMBO_MODEL = dict(type='ConvToyNet', running_var=1.5)
+COMBO_DATA = dict(type='SeededToyImages', length=16, size=16)
 
-def combo_cfg(work_dir, norm_eval=False, accumulate=1, **keys):
-    return Config(
-        dict(
-            model=dict(type='DTRComboToyNet', norm_eval=norm_eval),
-            work_dir=str(work_dir),
-            experiment_name=f'dtr_combo_{uuid.uuid4().hex}',
-            train_dataloader=dict(
-                dataset=dict(type='DTRComboToyImages'),
-                sampler=dict(type='DefaultSampler', shuffle=False),
-                batch_size=4,
-                num_workers=0,
-                collate_fn=dict(type='default_collate')),
-            train_cfg=dict(by_epoch=False, max_iters=4),
-            optim_wrapper=dict(
-                optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
-                accumulative_counts=accumulate),
+
+@pytest.fixture(scope='module')
+def combo_cfg(toy_runner_cfg):
+    """``combo_cfg(work_dir, norm_eval=False, accumulate=1, **keys)``."""
+
+    def make(work_dir, norm_eval=False, accumulate=1, **keys):
+        cfg = toy_runner_cfg(
+            work_dir,
+            dict(COMBO_MODEL, norm_eval=norm_eval),
+            COMBO_DATA,
+            'dtr_combo',
+            max_iters=4,
+            optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
             custom_hooks=[dict(type='DTRComboProbeHook')],
             default_hooks=dict(checkpoint=None),
             randomness=dict(seed=0),
             log_level='WARNING',
-            **keys))
+            **keys)
+        cfg.optim_wrapper.accumulative_counts = accumulate
+        return cfg
 
-
-def train_combo(work_dir, **kwargs):
-    runner = train(combo_cfg(work_dir, **kwargs))
-    (probe, ) = [h for h in runner.hooks if isinstance(h, DTRComboProbeHook)]
-    assert probe.active_at_step == [False] * probe.steps
-    assert probe.stack_after == [0] * 4
-    return runner, probe
+    return make
 
 
 @pytest.fixture(scope='module')
-def plain_combo(tmp_path_factory):
+def train_combo(combo_cfg):
+    """``train_combo(work_dir, **combo_cfg kwargs)`` -> (runner, probe)."""
+
+    def run(work_dir, **kwargs):
+        runner = train(combo_cfg(work_dir, **kwargs))
+        (probe, ) = [
+            h for h in runner.hooks if isinstance(h, DTRComboProbeHook)
+        ]
+        assert probe.active_at_step == [False] * probe.steps
+        assert probe.stack_after == [0] * 4
+        return runner, probe
+
+    return run
+
+
+@pytest.fixture(scope='module')
+def plain_combo(tmp_path_factory, train_combo):
     return train_combo(tmp_path_factory.mktemp('plain'))[0].model
 
 
@@ -278,7 +225,7 @@ def plain_combo(tmp_path_factory):
     ],
     ids=['some', 'all', 'selective'])
 def test_dtr_with_activation_checkpointing(tmp_path, plain_combo,
-                                           checkpointing):
+                                           checkpointing, train_combo):
     runner, _ = train_combo(
         tmp_path, dtr=COMBO_DTR, activation_checkpointing=checkpointing)
     assert is_checkpointed(runner.model.backbone.layer1)
@@ -295,7 +242,7 @@ def _pack_module(hooks):
     return None if hooks is None else hooks[0].__module__
 
 
-def test_checkpoint_hooks_take_precedence_inside(tmp_path):
+def test_checkpoint_hooks_take_precedence_inside(tmp_path, combo_cfg):
     """Inside a checkpointed module autograd uses checkpoint's hooks."""
     seen = {'inside': set(), 'outside': set()}
 
@@ -322,7 +269,7 @@ def test_checkpoint_hooks_take_precedence_inside(tmp_path):
     assert seen['inside'] == {'torch.utils.checkpoint'}
 
 
-def test_dtr_with_efficient_conv_bn_eval(tmp_path):
+def test_dtr_with_efficient_conv_bn_eval(tmp_path, train_combo):
     fused, _ = train_combo(
         tmp_path / 'fused', norm_eval=True, efficient_conv_bn_eval='backbone')
     both, _ = train_combo(
@@ -337,7 +284,7 @@ def test_dtr_with_efficient_conv_bn_eval(tmp_path):
     assert min(stats['train/dtr_recomputations']) > 0
 
 
-def test_dtr_with_gradient_accumulation(tmp_path):
+def test_dtr_with_gradient_accumulation(tmp_path, train_combo):
     plain, steps = train_combo(tmp_path / 'plain', accumulate=2)
     assert steps.steps == 2  # 4 iterations, 2 accumulated per step
     runner, probe = train_combo(tmp_path / 'dtr', accumulate=2, dtr=COMBO_DTR)
@@ -348,19 +295,10 @@ def test_dtr_with_gradient_accumulation(tmp_path):
     assert min(stats['train/dtr_evictions']) > 0
 
 
-@pytest.fixture(scope='module')
-def train_tool():
-    spec = importlib.util.spec_from_file_location(
-        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 RESUME_CONFIG = '''
-model = dict(type='DTRComboToyNet')
+model = dict(type='ConvToyNet', running_var=1.5)
 train_dataloader = dict(
-    dataset=dict(type='DTRComboToyImages'),
+    dataset=dict(type='SeededToyImages', length=16, size=16),
     sampler=dict(type='DefaultSampler', shuffle=True),
     batch_size=4,
     num_workers=0,

@@ -120,8 +120,7 @@ def test_bad_key_fails_before_building(make_cfg, dummy_key, tmp_path):
     assert not (tmp_path / 'never').exists()
 
 
-def test_plain_dict_config(make_cfg, linear_toy_model, dummy_key,
-                           tmp_path):
+def test_plain_dict_config(make_cfg, linear_toy_model, dummy_key, tmp_path):
     cfg = copy.deepcopy(make_cfg(tmp_path, **{DUMMY_KEY: 3}).to_dict())
     runner = MMDTRRunner.from_cfg(cfg)
     assert dummy_key == [3]
