@@ -30,7 +30,7 @@ class DTRPolicy(EvictionPolicy):
 
     ``score = (cost + e*) * (1 + penalty * remat_count)
     / (nbytes * staleness)``, with staleness ``clock - last_access + 1``
-    and e* from the union-find approximation of the evicted neighbourhood.
+    and e* from the union-find classes of the evicted neighbourhood.
 
     Args:
         recompute_penalty (float): Weight of the penalty on tensors already

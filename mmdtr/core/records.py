@@ -122,14 +122,18 @@ class AllocNode:
 class EvictedClass:
     """A union-find node of DTR's evicted equivalence classes.
 
-    Classes point only at classes, never at records: a record -> class ->
-    record path would be a reference cycle, freed only by the garbage
-    collector.
-    """
-    __slots__ = ('parent', 'cost')
+    A root knows its members through weak references (a strong record ->
+    class -> record path would be a reference cycle, freed only by the
+    garbage collector), so that a rematerialization can split its class.
 
-    def __init__(self, cost):
-        self.parent, self.cost = None, cost
+    Args:
+        record (StorageRecord): The first member.
+    """
+    __slots__ = ('parent', 'cost', 'members')
+
+    def __init__(self, record):
+        self.parent, self.cost = None, record.cost
+        self.members = [weakref.ref(record)]
 
     def root(self):
         root = self
@@ -139,6 +143,16 @@ class EvictedClass:
         while node is not root and node.parent is not root:
             node.parent, node = root, node.parent  # path compression
         return root
+
+    def merge(self, other):
+        """Union of two roots; returns the surviving root."""
+        if len(self.members) < len(other.members):
+            self, other = other, self
+        other.parent = self
+        self.cost += other.cost
+        self.members += other.members
+        other.members = None
+        return self
 
 
 class StorageRecord:
@@ -208,7 +222,7 @@ class StorageRecord:
         rec.users.add(self)
         self.inputs.append(rec)
 
-    # DTR's union-find approximation of evicted neighbourhoods --------------
+    # DTR's evicted equivalence classes (union-find, split on rebuild) ----
     def evicted_neighbours(self):
         for rec in self.inputs:
             if rec.evicted_class is not None and not rec.resident:
@@ -226,15 +240,33 @@ class StorageRecord:
         return sum(root.cost for root in roots.values())
 
     def join_evicted_class(self) -> None:
-        """On eviction: merge with the evicted neighbours' classes.
-
-        A record keeps its class after it is recomputed (DTR's
-        approximation: union-find cannot split), so re-eviction only merges.
-        """
+        """On eviction: merge with the evicted neighbours' classes."""
         if self.evicted_class is None:
-            self.evicted_class = EvictedClass(self.cost)
+            self.evicted_class = EvictedClass(self)
         for rec in list(self.evicted_neighbours()):
             a, b = self.evicted_class.root(), rec.evicted_class.root()
             if a is not b:
-                b.parent = a
-                a.cost += b.cost
+                a.merge(b)
+
+    def leave_evicted_class(self) -> None:
+        """On rematerialization: leave the class, splitting it exactly.
+
+        DTR's prototype never splits (union-find cannot), so a class keeps
+        the cost of members rebuilt since and e* grows stale near the memory
+        floor. Here the class is re-formed from its members still evicted,
+        in time linear in its size (rule R8).
+        """
+        if self.evicted_class is None:
+            return
+        root = self.evicted_class.root()
+        self.evicted_class = None
+        others = {}
+        for ref in root.members:
+            rec = ref()
+            if rec is not None and rec.evicted_class is not None \
+                    and not rec.resident and rec.evicted_class.root() is root:
+                others[id(rec)] = rec
+        for rec in others.values():
+            rec.evicted_class = None
+        for rec in others.values():
+            rec.join_evicted_class()

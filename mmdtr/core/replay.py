@@ -58,6 +58,7 @@ class Replayer:
         rec.last_access = self.clock  # just rebuilt: fresh, not stale
         if version == rec.version and not rec.resident:
             self._register(storage, storage._cdata, rec)
+            rec.leave_evicted_class()
             rec.remat_count += 1
             self.recomputations += 1
             if rec.handles:

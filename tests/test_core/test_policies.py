@@ -66,6 +66,30 @@ def test_evicted_neighbourhood_uses_union_find_classes():
     assert local.score(a, 10) < DTRPolicy().score(a, 10)
 
 
+def test_rebuilt_storage_splits_its_evicted_class():
+    a, b, c, d, e = (
+        record(100, cost, 0) for cost in (1.0, 2.0, 4.0, 8.0, 16.0))
+    chain(a, b, c, d, e)
+    for rec in (b, c, d):  # one class b-c-d
+        rec.cdata = None
+        rec.join_evicted_class()
+    assert a.evicted_neighborhood_cost() == 2.0 + 4.0 + 8.0
+    c.cdata = 1  # c is rebuilt: b and d are no longer connected
+    c.leave_evicted_class()
+    assert c.evicted_class is None
+    assert b.evicted_class.root() is not d.evicted_class.root()
+    assert a.evicted_neighborhood_cost() == 2.0
+    assert e.evicted_neighborhood_cost() == 8.0
+    assert c.evicted_neighborhood_cost() == 2.0 + 8.0
+    c.cdata = None  # evicted again: one class, costs counted once
+    c.join_evicted_class()
+    assert a.evicted_neighborhood_cost() == 2.0 + 4.0 + 8.0
+    b.cdata = 1
+    b.leave_evicted_class()
+    assert a.evicted_neighborhood_cost() == 0
+    assert e.evicted_neighborhood_cost() == 4.0 + 8.0
+
+
 def test_lru_and_largest_first():
     old, new = record(10, 1.0, 1), record(10, 1.0, 5)
     assert LRUPolicy().score(old, 9) < LRUPolicy().score(new, 9)
