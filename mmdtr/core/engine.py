@@ -2,9 +2,10 @@
 
 One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
 hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
-holds accounting, records, the dispatch hot path and in-place writes; the
-state's eviction, replay and saved-tensor methods are grouped in the mixins
-of :mod:`.eviction`, :mod:`.replay` and :mod:`.saved_tensors`. The rules
+holds accounting, records and the dispatch hot path; the state's eviction,
+replay, saved-tensor and in-place write methods are grouped in the mixins
+of :mod:`.eviction`, :mod:`.replay`, :mod:`.saved_tensors` and
+:mod:`.writes`. The rules
 cited as R1..R12 are in docs/design.md.
 """
 import random
@@ -12,13 +13,14 @@ import weakref
 
 import torch
 
-from .cost_model import op_cost, tensor_bytes
+from .cost_model import op_cost
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
 from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
                       SelfRef, StorageRecord, detached_alias, view_meta)
 from .replay import Replayer
 from .saved_tensors import SavedTensors
+from .writes import Writes
 
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
@@ -47,7 +49,7 @@ class _StorageRef(weakref.ref):
     __slots__ = ('cdata', 'nbytes')
 
 
-class EngineState(Evictor, Replayer, SavedTensors):
+class EngineState(Evictor, Replayer, SavedTensors, Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -326,60 +328,6 @@ class EngineState(Evictor, Replayer, SavedTensors):
             return HeldRef(t, None, t._version)
         # below autograd, detach() gets a fresh version counter: no check
         return HeldRef(detached_alias(t), None, None)
-
-    # in-place writes (R5, R7) ---------------------------------------------
-    def _before_write(self, t):
-        cdata = t.untyped_storage()._cdata
-        rec = self.records.get(cdata)
-        if rec is not None:
-            if rec.recomputable(rec.version) or not rec.users:
-                return
-            users = rec.users
-        else:
-            entry = self.external_users.get(cdata)
-            if entry is None:
-                return
-            users = entry[0]
-        for user in list(users):
-            self._freeze(user)
-
-    def _freeze(self, rec):
-        """Keep ``rec`` resident for good: an input of it is changing."""
-        if rec.keepalive is not None:
-            return
-        if rec.resident:
-            storage = rec.storage()
-        elif rec.recomputable(rec.version):
-            storage = self.materialize(rec, rec.version)
-        else:
-            return  # dead and unrecomputable: nothing can still need it
-        rec.keepalive, rec.lo, rec.hi = storage, None, None
-        if rec.cand_index >= 0:
-            self._drop_candidate(rec)
-        for user in list(rec.users or ()):
-            if user.lo is not None:
-                self._freeze(user)
-
-    def _after_write(self, t, node, info):
-        rec = self.records.get(t.untyped_storage()._cdata)
-        if rec is None:
-            return
-        if node is not None and rec.lo is None and info.full_overwrite \
-                and t.is_contiguous() and t.storage_offset() == 0 \
-                and tensor_bytes(t) == rec.nbytes:
-            # an uninitialized storage is now fully determined (R5)
-            rec.creator = AllocNode(rec.nbytes, rec.device)
-            rec.base, rec.mutations, rec.lo = rec.version, [], rec.version
-            rec.cost = 1.0
-        rec.version += 1
-        if node is not None and rec.recomputable(rec.version - 1):
-            rec.mutations.append(node)
-            rec.cost += node.cost
-            self._link(rec, node)
-        elif rec.lo is not None and rec.hi is None:
-            rec.hi = rec.version - 1  # older versions stay recomputable
-            if rec.cand_index >= 0:
-                self._drop_candidate(rec)
 
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""

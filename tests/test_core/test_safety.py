@@ -1,5 +1,6 @@
 """What the engine must never do: evict what it cannot replay or what is
 still visible, leave state behind, or leak records across iterations."""
+import copy
 import threading
 import weakref
 
@@ -90,6 +91,62 @@ def test_write_to_external_input_freezes_its_users(oracle):
     torch.manual_seed(0)
     check = oracle(Writer(), step)
     check.run(1)
+
+
+def test_write_rebuilds_nothing_nothing_needs():
+    # the loss stays visible, and its recipe reaches every record; after
+    # backward no handle is left, so an update of the weight (what an
+    # optimizer does) must not rebuild the evicted storages that read it
+    torch.manual_seed(0)
+    w = (torch.randn(64, 64) * 0.1).requires_grad_()
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        loss = _chain(torch.randn(256, 64), w).sum()
+        loss.backward()
+        before = engine.stats
+        with torch.no_grad():
+            w.add_(1.0)
+        after = engine.stats
+    assert before.evictions > 0
+    assert after.recomputations == before.recomputations
+    assert after.peak_memory == before.peak_memory
+
+
+def test_parameters_stepped_during_backward_stay_exact():
+    # the optimizer updates each weight in place as soon as its gradient is
+    # complete, while DTR may still replay forward ops that read it
+    from mmdtr.techniques.inplace_update import PerParameterStepper
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[
+        nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True)) for _ in range(4)
+    ])
+    x = torch.randn(4, 8, 16, 16)
+
+    def train(threshold):
+        model = copy.deepcopy(net)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        stepper, losses, evictions = PerParameterStepper(opt), [], 0
+        for _ in range(2):
+            stepper.begin()
+            with DTR(
+                    eviction_threshold=threshold,
+                    evictee_minimum_size=1) as engine:
+                loss = model(x).square().mean()
+                loss.backward()
+            stepper.end()
+            losses.append(loss.detach())
+            evictions += engine.stats.evictions
+        return losses, model.state_dict(), evictions
+
+    losses, state, _ = train(2**62)
+    dtr_losses, dtr_state, evictions = train(1)
+    assert evictions > 0
+    assert all(torch.equal(a, b) for a, b in zip(losses, dtr_losses))
+    for key, value in state.items():
+        assert torch.equal(value, dtr_state[key]), key
 
 
 def test_exception_in_scope_leaves_nothing_behind():

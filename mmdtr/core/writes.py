@@ -1,0 +1,99 @@
+"""In-place writes: versions, and what must happen before a storage changes.
+
+The write half of :class:`~mmdtr.core.engine.EngineState` (one state object
+per engine; this mixin only groups its methods). Rules R5 and R7 of
+docs/design.md.
+"""
+from .cost_model import tensor_bytes
+from .records import AllocNode
+
+
+class Writes:
+    """Versions storages across in-place writes; mixed into ``EngineState``.
+
+    Uses the state's ``records``, ``external_users``, ``materialize`` and
+    ``_drop_candidate``.
+    """
+
+    def _before_write(self, t):
+        cdata = t.untyped_storage()._cdata
+        rec = self.records.get(cdata)
+        if rec is not None:
+            if rec.recomputable(rec.version) or not rec.users:
+                return
+            users = rec.users
+        else:
+            entry = self.external_users.get(cdata)
+            if entry is None:
+                return
+            users = entry[0]
+        for user in list(users):
+            self._freeze(user)
+
+    def _freeze(self, rec):
+        """An input of ``rec`` is about to change for good (R7).
+
+        A record something may still rebuild is kept resident for good; one
+        nothing can ask for any more is only made unrecomputable, with all
+        it reaches, without being rebuilt.
+        """
+        if rec.keepalive is not None or rec.lo is None:
+            return
+        unneeded = self._unneeded_from(rec)
+        if unneeded is not None:
+            for dead in unneeded:
+                dead.lo = dead.hi = None
+                if dead.cand_index >= 0:
+                    self._drop_candidate(dead)
+            return
+        if rec.resident:
+            storage = rec.storage()
+        elif rec.recomputable(rec.version):
+            storage = self.materialize(rec, rec.version)
+        else:
+            return  # dead and unrecomputable: nothing can still need it
+        rec.keepalive, rec.lo, rec.hi = storage, None, None
+        if rec.cand_index >= 0:
+            self._drop_candidate(rec)
+        for user in list(rec.users or ()):
+            if user.lo is not None:
+                self._freeze(user)
+
+    @staticmethod
+    def _unneeded_from(rec):
+        """``rec`` and the records whose recipes reach it, if none of them
+        has a saved-tensor handle (so nothing can ask to rebuild any of
+        them), else ``None``. Frozen and unrecomputable records end the
+        walk: what reads them never needs what is behind them."""
+        seen, stack = {id(rec): rec}, [rec]
+        while stack:
+            r = stack.pop()
+            if r.handles:
+                return None
+            for user in r.users or ():
+                if user.lo is not None and user.keepalive is None \
+                        and id(user) not in seen:
+                    seen[id(user)] = user
+                    stack.append(user)
+        return list(seen.values())
+
+    def _after_write(self, t, node, info):
+        rec = self.records.get(t.untyped_storage()._cdata)
+        if rec is None:
+            return
+        if node is not None and rec.lo is None and info.full_overwrite \
+                and t.is_contiguous() and t.storage_offset() == 0 \
+                and tensor_bytes(t) == rec.nbytes:
+            # an uninitialized storage is now fully determined (R5)
+            rec.creator = AllocNode(rec.nbytes, rec.device)
+            rec.base, rec.mutations, rec.lo = rec.version, [], rec.version
+            rec.cost = 1.0
+        rec.version += 1
+        if node is not None and rec.recomputable(rec.version - 1):
+            rec.mutations.append(node)
+            rec.cost += node.cost
+            self._link(rec, node)
+        elif rec.lo is not None and rec.hi is None:
+            rec.hi = rec.version - 1  # older versions stay recomputable
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
