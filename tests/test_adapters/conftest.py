@@ -4,12 +4,16 @@ Test modules cannot import each other (``--import-mode=importlib``), so
 what they share lives here: the single-thread switch, a free TCP port and a
 one-rank process group, ``tools/train.py`` as a module, a toy runner config
 factory, and the toys registered with MMEngine: a tiny linear model and
-dataset, a small conv net of two stages, and seeded random images.
+dataset, a small conv net of two stages, seeded random images, and (from
+``toy_classifier.py``, which subprocesses import by name) a tiny classifier
+with its dataset.
 """
 import importlib.util
 import os
 import os.path as osp
 import socket
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -22,6 +26,20 @@ from torch import nn
 from torch.utils.data import Dataset
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOY_DIR = osp.dirname(osp.abspath(__file__))
+
+
+def _import_toy_classifier():
+    """Register ToyClassifier and ToyClassDataset, as ``toy_classifier``."""
+    if 'toy_classifier' not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            'toy_classifier', osp.join(TOY_DIR, 'toy_classifier.py'))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules['toy_classifier'] = module
+
+
+_import_toy_classifier()
 
 
 @pytest.fixture(scope='module')
@@ -84,6 +102,50 @@ def load_train_tool():
 def train_tool():
     """``tools/train.py`` imported once per test module."""
     return _load_train_tool()
+
+
+@pytest.fixture(scope='session')
+def subprocess_env():
+    """``subprocess_env(*paths)`` -> os.environ with ``PYTHONPATH`` led by
+    the repository, this folder (``toy_classifier``) and ``paths``, and one
+    OpenMP thread per process."""
+
+    def make(*paths):
+        env = dict(os.environ, OMP_NUM_THREADS='1')
+        env['PYTHONPATH'] = os.pathsep.join(
+            [REPO, TOY_DIR, *map(str, paths),
+             env.get('PYTHONPATH', '')])
+        return env
+
+    return make
+
+
+@pytest.fixture
+def dist_train(tmp_path, free_port, subprocess_env):
+    """``dist_train(config, work_dir, *cfg_options)`` -> the output of
+    ``tools/dist_train.sh`` with two ranks, run in ``tmp_path`` (which is
+    on ``PYTHONPATH``); fails the test if the run fails."""
+
+    def run(config, work_dir, *options):
+        args = ['--cfg-options', *options] if options else []
+        proc = subprocess.run([
+            'bash',
+            osp.join(REPO, 'tools', 'dist_train.sh'),
+            str(config), '2', '--work-dir',
+            str(work_dir), *args
+        ],
+                              cwd=str(tmp_path),
+                              env=dict(
+                                  subprocess_env(tmp_path),
+                                  PORT=str(free_port())),
+                              capture_output=True,
+                              text=True,
+                              timeout=400)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        return out
+
+    return run
 
 
 def _toy_runner_cfg(work_dir,

@@ -1,7 +1,4 @@
 """Distributed training on CPU with gloo: in process, and two processes."""
-import os
-import os.path as osp
-import subprocess
 import uuid
 
 import pytest
@@ -16,52 +13,19 @@ from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
 
-REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason='tests the CPU-only path')
 
-# Importable by the workers through PYTHONPATH=tmp_path. The hook saves what
-# each rank ends with, and the first batch it saw.
-TOY_MODULE = '''
+# Importable by the workers through PYTHONPATH=tmp_path (the model and
+# dataset come from toy_classifier). The hook saves what each rank ends
+# with, and the first batch it saw.
+HOOK_MODULE = '''
 import os.path as osp
 
 import torch
 import torch.distributed as torch_dist
 from mmengine.hooks import Hook
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, HOOKS, MODELS
-from torch import nn
-from torch.utils.data import Dataset
-
-
-@MODELS.register_module(force=True)
-class DistToyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        out = self.fc(self.conv(inputs).relu().mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(out, labels))
-        return out
-
-
-@DATASETS.register_module(force=True)
-class DistToyDataset(Dataset):
-
-    def __init__(self, size=24):
-        gen = torch.Generator().manual_seed(0)
-        self.x = torch.randn(size, 3, 6, 6, generator=gen)
-        self.y = torch.randint(0, 2, (size, ), generator=gen)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return dict(inputs=self.x[i], labels=self.y[i])
+from mmengine.registry import HOOKS
 
 
 @HOOKS.register_module(force=True)
@@ -82,10 +46,11 @@ class DumpRankStateHook(Hook):
 '''
 
 TOY_CONFIG = '''
-custom_imports = dict(imports=['dist_toy'], allow_failed_imports=False)
-model = dict(type='DistToyModel')
+custom_imports = dict(
+    imports=['toy_classifier', 'dist_toy'], allow_failed_imports=False)
+model = dict(type='ToyClassifier', norm=False)
 train_dataloader = dict(
-    dataset=dict(type='DistToyDataset'),
+    dataset=dict(type='ToyClassDataset'),
     sampler=dict(type='DefaultSampler', shuffle=True),
     batch_size=3,
     num_workers=0,
@@ -160,28 +125,13 @@ def test_init_cpu_dist_errors(monkeypatch):
 
 
 @cpu_only
-def test_two_process_gloo_run(tmp_path, free_port):
-    (tmp_path / 'dist_toy.py').write_text(TOY_MODULE)
+def test_two_process_gloo_run(tmp_path, dist_train):
+    (tmp_path / 'dist_toy.py').write_text(HOOK_MODULE)
     config = tmp_path / 'dist_cfg.py'
     config.write_text(TOY_CONFIG)
     work_dir = tmp_path / 'work'
-    env = dict(os.environ, PORT=str(free_port()), OMP_NUM_THREADS='1')
-    env['PYTHONPATH'] = os.pathsep.join(
-        [str(tmp_path), env.get('PYTHONPATH', '')])
-    proc = subprocess.run([
-        'bash',
-        osp.join(REPO, 'tools', 'dist_train.sh'),
-        str(config), '2', '--work-dir',
-        str(work_dir), '--cfg-options', 'train_cfg.max_iters=3'
-    ],
-                          cwd=str(tmp_path),
-                          env=env,
-                          capture_output=True,
-                          text=True,
-                          timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert 'mmdtr: distributed on CPU, backend gloo, world size 2' in (
-        proc.stdout + proc.stderr)
+    out = dist_train(config, work_dir, 'train_cfg.max_iters=3')
+    assert 'mmdtr: distributed on CPU, backend gloo, world size 2' in out
     ranks = [torch.load(str(work_dir / f'rank{r}.pth')) for r in (0, 1)]
     for dump in ranks:
         assert dump['backend'] == 'gloo'

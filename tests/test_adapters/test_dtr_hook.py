@@ -1,7 +1,5 @@
 """The ``dtr`` key, its translator and DTRHook, on a toy model."""
-import importlib.util
 import os.path as osp
-import uuid
 
 import pytest
 import torch
@@ -86,25 +84,30 @@ class DTRHookToyMetric(BaseMetric):
         return dict(count=sum(results))
 
 
-def make_cfg(work_dir, **kwargs):
-    cfg = dict(
-        model=dict(type='DTRHookToyNet'),
-        work_dir=str(work_dir),
-        experiment_name=f'dtr_hook_{uuid.uuid4().hex}',
-        train_dataloader=dict(
-            dataset=dict(type='SeededToyImages', size=16),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            batch_size=4,
-            num_workers=0,
-            collate_fn=dict(type='default_collate')),
-        train_cfg=dict(by_epoch=False, max_iters=3),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        default_hooks=dict(
-            checkpoint=None, logger=dict(type='LoggerHook', interval=1)),
-        randomness=dict(seed=0),
-        log_level='WARNING')
-    cfg.update(kwargs)
-    return Config(cfg)
+@pytest.fixture
+def make_cfg(toy_runner_cfg):
+    """``make_cfg(work_dir, **keys)``: DTRHookToyNet for 3 iterations;
+    ``keys`` override any key."""
+
+    def make(work_dir, model='DTRHookToyNet', **keys):
+        keys = {
+            'default_hooks':
+            dict(checkpoint=None, logger=dict(type='LoggerHook', interval=1)),
+            'randomness':
+            dict(seed=0),
+            'log_level':
+            'WARNING',
+            **keys
+        }
+        return toy_runner_cfg(
+            work_dir,
+            model,
+            dict(type='SeededToyImages', size=16),
+            'dtr_hook',
+            max_iters=3,
+            **keys)
+
+    return make
 
 
 def dtr_hook(runner):
@@ -182,15 +185,6 @@ def test_cpu_needs_a_threshold(value):
         DTRHook(**value)
 
 
-@pytest.fixture(scope='module')
-def train_tool():
-    spec = importlib.util.spec_from_file_location(
-        'mmdtr_train_tool', osp.join(REPO, 'tools', 'train.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cfg_options_give_a_size_string(train_tool):
     args = train_tool.parse_args([
         osp.join(REPO, 'configs', 'gpt_synthetic.py'), '--cfg-options',
@@ -207,7 +201,8 @@ def test_cfg_options_give_a_size_string(train_tool):
     assert parse_size(hook.settings['eviction_threshold']) == 3 * 2**30
 
 
-def test_bad_value_fails_before_training(train_tool, tmp_path, capsys):
+def test_bad_value_fails_before_training(train_tool, tmp_path, capsys,
+                                         make_cfg):
     config = osp.join(REPO, 'configs', 'gpt_synthetic.py')
     with pytest.raises(SystemExit) as info:
         train_tool.main([
@@ -230,7 +225,7 @@ def test_bad_value_fails_before_training(train_tool, tmp_path, capsys):
     assert not (tmp_path / 'type').exists()
 
 
-def test_absent_or_none_is_off(tmp_path):
+def test_absent_or_none_is_off(tmp_path, make_cfg):
     for cfg in (make_cfg(tmp_path), make_cfg(tmp_path, dtr=None)):
         out = translate_memory_keys(cfg)
         assert 'dtr' not in out
@@ -238,7 +233,7 @@ def test_absent_or_none_is_off(tmp_path):
 
 
 @pytest.mark.parametrize('runner_type', [None, 'MMDTRRunner'])
-def test_training_under_dtr(tmp_path, runner_type):
+def test_training_under_dtr(tmp_path, runner_type, make_cfg):
     plain = MMDTRRunner.from_cfg(make_cfg(tmp_path / 'plain'))
     plain.train()
     cfg = make_cfg(tmp_path / 'dtr', dtr=DTR_CFG)
@@ -263,7 +258,7 @@ def test_training_under_dtr(tmp_path, runner_type):
         assert torch.equal(p, dict(model.named_parameters())[name]), name
 
 
-def test_validation_does_not_run_under_dtr(tmp_path):
+def test_validation_does_not_run_under_dtr(tmp_path, make_cfg):
     cfg = make_cfg(
         tmp_path,
         dtr=DTR_CFG,
@@ -286,7 +281,7 @@ def test_validation_does_not_run_under_dtr(tmp_path):
 
 
 @pytest.mark.parametrize('where', ['forward', 'backward'])
-def test_exception_in_iteration_leaves_nothing(tmp_path, where):
+def test_exception_in_iteration_leaves_nothing(tmp_path, where, make_cfg):
     runner = MMDTRRunner.from_cfg(
         make_cfg(
             tmp_path,
@@ -313,7 +308,7 @@ def test_exception_in_iteration_leaves_nothing(tmp_path, where):
     assert 'train_step' not in vars(runner.model)
 
 
-def test_one_engine_per_thread(tmp_path):
+def test_one_engine_per_thread(tmp_path, make_cfg):
     runner = MMDTRRunner.from_cfg(make_cfg(tmp_path, dtr=DTR_CFG))
     with pytest.raises(MmdtrError, match='already active on this thread'):
         with DTR(eviction_threshold='1GB'):
@@ -321,7 +316,7 @@ def test_one_engine_per_thread(tmp_path):
     assert_thread_clean()
 
 
-def test_custom_hooks_route(tmp_path):
+def test_custom_hooks_route(tmp_path, make_cfg):
     runner = MMDTRRunner.from_cfg(
         make_cfg(
             tmp_path,

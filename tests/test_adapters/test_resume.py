@@ -6,11 +6,7 @@ import uuid
 import pytest
 import torch
 from mmengine.logging import HistoryBuffer
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
 from mmengine.runner import Runner
-from torch import nn
-from torch.utils.data import Dataset
 
 from mmdtr.adapters.checkpoint_loading import (checkpoint_safe_globals,
                                                history_buffer_getattr)
@@ -20,46 +16,13 @@ from mmdtr.errors import MmdtrError
 N_ITERS, CKPT_ITER = 6, 3
 
 
-@MODELS.register_module(force=True)
-class ResumeToyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        x = self.bn(self.conv(inputs)).relu().mean((2, 3))
-        out = self.fc(x)
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(out, labels))
-        return out
-
-
-@DATASETS.register_module(force=True)
-class ResumeToyDataset(Dataset):
-    metainfo = dict(classes=('a', 'b'))
-
-    def __init__(self, size=24):
-        gen = torch.Generator().manual_seed(0)
-        self.x = torch.randn(size, 3, 6, 6, generator=gen)
-        self.y = torch.randint(0, 2, (size, ), generator=gen)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return dict(inputs=self.x[i], labels=self.y[i])
-
-
 def make_cfg(work_dir, **kwargs):
     cfg = dict(
-        model=dict(type='ResumeToyModel'),
+        model=dict(type='ToyClassifier'),
         work_dir=str(work_dir),
         experiment_name=f'resume_{uuid.uuid4().hex}',
         train_dataloader=dict(
-            dataset=dict(type='ResumeToyDataset'),
+            dataset=dict(type='ToyClassDataset'),
             sampler=dict(type='DefaultSampler', shuffle=True),
             batch_size=4,
             num_workers=0,

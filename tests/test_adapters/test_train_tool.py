@@ -1,6 +1,4 @@
 """tools/train.py: end to end in a subprocess, and its argument handling."""
-import importlib.util
-import os
 import os.path as osp
 import subprocess
 import sys
@@ -15,51 +13,11 @@ from mmdtr.errors import MmdtrError
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TRAIN = osp.join(REPO, 'tools', 'train.py')
 
-# Importable by the subprocess through PYTHONPATH=tmp_path.
-TOY_MODULE = '''
-import torch
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
-from torch import nn
-from torch.utils.data import Dataset
-
-
-@MODELS.register_module(force=True)
-class ToolToyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, inputs, labels=None, mode='tensor'):
-        out = self.fc(self.bn(self.conv(inputs)).relu().mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(out, labels))
-        return out
-
-
-@DATASETS.register_module(force=True)
-class ToolToyDataset(Dataset):
-
-    def __init__(self, size=16):
-        gen = torch.Generator().manual_seed(0)
-        self.x = torch.randn(size, 3, 6, 6, generator=gen)
-        self.y = torch.randint(0, 2, (size, ), generator=gen)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return dict(inputs=self.x[i], labels=self.y[i])
-'''
-
 # No custom_imports here: the tests give it through --cfg-options.
 TOY_CONFIG = '''
-model = dict(type='ToolToyModel')
+model = dict(type='ToyClassifier')
 train_dataloader = dict(
-    dataset=dict(type='ToolToyDataset'),
+    dataset=dict(type='ToyClassDataset', size=16),
     sampler=dict(type='DefaultSampler', shuffle=True),
     batch_size=4,
     num_workers=0,
@@ -74,45 +32,40 @@ randomness = dict(seed=0)
 
 @pytest.fixture
 def toy_config(tmp_path):
-    (tmp_path / 'tool_toy.py').write_text(TOY_MODULE)
     config = tmp_path / 'toy_cfg.py'
     config.write_text(textwrap.dedent(TOY_CONFIG))
     return str(config)
 
 
-@pytest.fixture(scope='module')
-def train_tool():
-    spec = importlib.util.spec_from_file_location('mmdtr_train_tool', TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def run_train(subprocess_env, tmp_path):
+    """``run_train(args)``: tools/train.py in a subprocess in tmp_path."""
+
+    def run(args):
+        return subprocess.run(
+            [sys.executable, TRAIN] + args,
+            cwd=str(tmp_path),
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300)
+
+    return run
 
 
-def run_train(args, tmp_path):
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(
-        [REPO, str(tmp_path), env.get('PYTHONPATH', '')])
-    return subprocess.run(
-        [sys.executable, TRAIN] + args,
-        cwd=str(tmp_path),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300)
-
-
-def test_train_and_resume_end_to_end(toy_config, tmp_path):
+def test_train_and_resume_end_to_end(toy_config, tmp_path, run_train):
     work_dir = tmp_path / 'work'
     common = [
         toy_config, '--work-dir',
-        str(work_dir), '--cfg-options', 'custom_imports.imports=[tool_toy]'
+        str(work_dir), '--cfg-options',
+        'custom_imports.imports=[toy_classifier]'
     ]
-    proc = run_train(common + ['train_cfg.max_iters=2'], tmp_path)
+    proc = run_train(common + ['train_cfg.max_iters=2'])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (work_dir / 'iter_2.pth').is_file()
     assert not (work_dir / 'iter_3.pth').exists()
 
-    proc = run_train(common + ['train_cfg.max_iters=3', '--resume'], tmp_path)
+    proc = run_train(common + ['train_cfg.max_iters=3', '--resume'])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert 'Auto resumed from the latest checkpoint' in out
@@ -123,8 +76,8 @@ def test_train_and_resume_end_to_end(toy_config, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
-def test_amp_on_cpu_is_a_clear_error(toy_config, tmp_path):
-    proc = run_train([toy_config, '--amp'], tmp_path)
+def test_amp_on_cpu_is_a_clear_error(toy_config, tmp_path, run_train):
+    proc = run_train([toy_config, '--amp'])
     assert proc.returncode == 1
     assert 'MmdtrError: mmdtr: optim_wrapper.type=' in proc.stderr
     assert 'Traceback' not in proc.stderr
@@ -176,17 +129,12 @@ def test_args_are_applied(train_tool, toy_config, tmp_path):
 
 
 def test_builds_mmdtr_runner_or_runner_type(train_tool, toy_config, tmp_path):
-    (tmp_path / 'tool_toy.py').write_text(TOY_MODULE)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        cfg = build(train_tool, toy_config, '--work-dir', str(tmp_path),
-                    '--cfg-options', 'custom_imports.imports=[tool_toy]',
-                    'log_level=WARNING')
-        runner = train_tool.build_runner(cfg.copy())
-        assert type(runner) is MMDTRRunner
-        cfg.experiment_name = 'train_tool_runner_type'
-        cfg.runner_type = 'Runner'
-        runner = train_tool.build_runner(cfg)
-        assert type(runner).__name__ == 'Runner'
-    finally:
-        sys.path.remove(str(tmp_path))
+    cfg = build(train_tool, toy_config, '--work-dir', str(tmp_path),
+                '--cfg-options', 'custom_imports.imports=[toy_classifier]',
+                'log_level=WARNING')
+    runner = train_tool.build_runner(cfg.copy())
+    assert type(runner) is MMDTRRunner
+    cfg.experiment_name = 'train_tool_runner_type'
+    cfg.runner_type = 'Runner'
+    runner = train_tool.build_runner(cfg)
+    assert type(runner).__name__ == 'Runner'
