@@ -13,9 +13,7 @@ from mmengine.registry import Registry
 def _child(name: str, location: str = None) -> Registry:
     parent = getattr(mmengine_registry, name)
     return Registry(
-        parent.name,
-        parent=parent,
-        locations=[location] if location else [])
+        parent.name, parent=parent, locations=[location] if location else [])
 
 
 HOOKS = _child('HOOKS', 'mmdtr.adapters')

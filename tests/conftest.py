@@ -8,8 +8,10 @@ from mmdtr.dtr import DTR
 
 
 def _state(model):
-    return ({n: p.grad for n, p in model.named_parameters()},
-            dict(model.named_buffers()))
+    return ({
+        n: p.grad
+        for n, p in model.named_parameters()
+    }, dict(model.named_buffers()))
 
 
 def assert_bit_identical(model_a, model_b, loss_a, loss_b):
@@ -50,8 +52,8 @@ class Oracle:
         model = copy.deepcopy(self.model)
         torch.manual_seed(self.seed)
         kwargs.setdefault('evictee_minimum_size', 1)
-        with DTR(eviction_threshold=max(int(threshold), 1),
-                 **kwargs) as engine:
+        with DTR(
+                eviction_threshold=max(int(threshold), 1), **kwargs) as engine:
             loss = self.step(model)
         assert_bit_identical(self.baseline_model, model, self.baseline_loss,
                              loss)

@@ -41,7 +41,10 @@ class _PeakProbe(Hook):
                 activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.__enter__()
 
-    def after_train_iter(self, runner, batch_idx, data_batch=None,
+    def after_train_iter(self,
+                         runner,
+                         batch_idx,
+                         data_batch=None,
                          outputs=None):
         if self.prof is not None:
             self.prof.__exit__(None, None, None)
