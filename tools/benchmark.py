@@ -23,8 +23,8 @@ import time
 import torch
 from mmengine.config import Config, DictAction
 
-from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, BenchmarkSuite,
-                                Launcher, load_config)
+from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, OPTIMIZERS,
+                                BenchmarkSuite, Launcher, load_config)
 from mmdtr.benchmarking.report import (machine_info, update_results,
                                        write_report)
 from mmdtr.core.policies import POLICIES
@@ -73,7 +73,7 @@ def parse_args(argv=None):
         default=1,
         help='sweep: run every configuration this many times, in rounds, '
         'pooling the measured steps (default 1)')
-    work.add_argument('--optimizer', choices=('sgd', 'none'), default='sgd')
+    work.add_argument('--optimizer', choices=OPTIMIZERS, default='sgd')
     work.add_argument(
         '--blocks',
         help='glob of the blocks checkpointed by '

@@ -6,13 +6,13 @@ matplotlib (``pip install -e .[bench]``).
 from .launch import LAUNCHERS, Launcher, Progress
 from .suite import ALTERNATIVES, BenchmarkSuite, largest_fitting
 from .worker import make_spec, run_spec
-from .workloads import (DEFAULT_BLOCKS, NO_EVICTION, TECHNIQUES, Workload,
-                        apply_technique, block_names, checkpoint_segments,
-                        load_config, split_even)
+from .workloads import (DEFAULT_BLOCKS, NO_EVICTION, OPTIMIZERS, TECHNIQUES,
+                        Workload, apply_technique, block_names,
+                        checkpoint_segments, load_config, split_even)
 
 __all__ = [
     'LAUNCHERS', 'Launcher', 'Progress', 'ALTERNATIVES', 'BenchmarkSuite',
     'largest_fitting', 'make_spec', 'run_spec', 'DEFAULT_BLOCKS',
-    'NO_EVICTION', 'TECHNIQUES', 'Workload', 'apply_technique', 'block_names',
-    'checkpoint_segments', 'load_config', 'split_even'
+    'NO_EVICTION', 'OPTIMIZERS', 'TECHNIQUES', 'Workload', 'apply_technique',
+    'block_names', 'checkpoint_segments', 'load_config', 'split_even'
 ]

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
+from mmdtr.techniques.inplace_update import PerParameterStepper
 from mmdtr.techniques.module_selection import resolve_modules
 
 #: Model type -> glob of its blocks, in forward order.
@@ -34,6 +35,7 @@ DEFAULT_BLOCKS: Dict[str, str] = {
     'GPTDecoder': 'blocks.*',
 }
 #: What a run may apply to the model.
+OPTIMIZERS = ('sgd', 'sgd_in_backward', 'none')
 TECHNIQUES = ('baseline', 'dtr', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac')
 #: A threshold no workload reaches: DTR meters but never evicts.
 NO_EVICTION = 2**62
@@ -203,8 +205,11 @@ class Workload:
         cfg (Config): A config from :func:`load_config`.
         batch_size (int): Samples in the batch.
         device (str): ``'cpu'`` or ``'cuda'``.
-        optimizer (str): ``'sgd'`` (SGD, momentum 0.9) or ``'none'``
-            (gradients are only zeroed).
+        optimizer (str): ``'sgd'`` (SGD, momentum 0.9, stepped after
+            backward), ``'sgd_in_backward'`` (the same SGD stepping each
+            parameter from its gradient hook during backward and freeing
+            the gradient, as ``InplaceOptimWrapper(step_in_backward=True)``
+            does) or ``'none'`` (gradients are only zeroed).
         seed (int): Seeds torch before the model is built.
     """
 
@@ -224,14 +229,18 @@ class Workload:
         samples = [dataset[i % len(dataset)] for i in range(batch_size)]
         self.batch = self.model.data_preprocessor(
             default_collate(samples), True)
-        if optimizer == 'sgd':
+        self.optimizer = self.stepper = None
+        if optimizer in ('sgd', 'sgd_in_backward'):
             self.optimizer = torch.optim.SGD(
-                self.model.parameters(), lr=1e-3, momentum=0.9)
-        elif optimizer == 'none':
-            self.optimizer = None
-        else:
-            raise MmdtrError(f"optimizer {optimizer!r} is not 'sgd' or "
-                             "'none'.")
+                self.model.parameters(),
+                lr=1e-3,
+                momentum=0.9,
+                foreach=False if optimizer == 'sgd_in_backward' else None)
+            if optimizer == 'sgd_in_backward':
+                self.stepper = PerParameterStepper(self.optimizer)
+        elif optimizer != 'none':
+            raise MmdtrError(f'optimizer {optimizer!r} is not one of '
+                             f'{OPTIMIZERS}.')
 
     def step(self, engine: Optional[DTR] = None) -> float:
         """One training step; DTR ``engine`` (if any) around fwd and bwd.
@@ -239,11 +248,15 @@ class Workload:
         Returns:
             float: The loss.
         """
+        if self.stepper is not None:
+            self.stepper.begin()
         with engine if engine is not None else nullcontext():
             losses = self.model(**self.batch, mode='loss')
             loss = sum(value.sum() for value in losses.values())
             loss.backward()
-        if self.optimizer is not None:
+        if self.stepper is not None:
+            self.stepper.end()
+        elif self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:

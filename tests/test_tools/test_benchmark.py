@@ -21,6 +21,7 @@ from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 checkpoint_segments, largest_fitting,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.report import markdown
+from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -145,9 +146,23 @@ def test_split_even():
     assert split_even([1, 2], 5) == [[1], [2]]
 
 
-def _small_workload(batch=4):
+def _small_workload(batch=4, optimizer='none'):
     cfg = load_config(RESNET, SMALL, image_size=64)
-    return Workload(cfg, batch, optimizer='none')
+    return Workload(cfg, batch, optimizer=optimizer)
+
+
+def test_sgd_in_backward_steps_like_sgd_after_backward():
+    after, during = _small_workload(2, 'sgd'), _small_workload(
+        2, 'sgd_in_backward')
+    for _ in range(2):  # under DTR: the engine sees the in-place steps
+        assert after.step() == during.step(
+            DTR(eviction_threshold=NO_EVICTION, device='cpu'))
+    assert all(p.grad is None for p in during.model.parameters())
+    for (name, p), q in zip(after.model.named_parameters(),
+                            during.model.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(MmdtrError, match="'adam' is not one of"):
+        _small_workload(2, 'adam')
 
 
 def test_checkpoint_segments_keep_loss_and_gradients():
