@@ -27,24 +27,34 @@ def assert_bit_identical(model_a, model_b, loss_a, loss_b):
         assert torch.equal(b, bufs_b[name]), f'buffer {name} differs'
 
 
+def _rng_states(device):
+    states = [torch.get_rng_state()]
+    if device.type == 'cuda':
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
 class Oracle:
     """Runs ``step(model)`` without DTR and under DTR, and compares.
 
-    ``step(model) -> loss`` must do forward and backward. Both runs start
-    from deep copies of the same model and the same RNG state.
+    ``step(model) -> loss`` must do forward and backward, with its inputs on
+    the model's device. Both runs start from deep copies of the same model
+    (moved to ``device``) and the same RNG state (CPU and CUDA).
     """
 
-    def __init__(self, model, step, seed=0):
-        self.model, self.step, self.seed = model, step, seed
-        self.baseline_model = copy.deepcopy(model)
+    def __init__(self, model, step, seed=0, device='cpu'):
+        self.device = torch.device(device)
+        self.model, self.step, self.seed = model.to(self.device), step, seed
+        self.baseline_model = copy.deepcopy(self.model)
         torch.manual_seed(seed)
         self.baseline_loss = step(self.baseline_model)
-        self.rng_after = torch.get_rng_state()
-        probe = copy.deepcopy(model)
+        self.rng_after = _rng_states(self.device)
+        probe = copy.deepcopy(self.model)
         torch.manual_seed(seed)
         with DTR(eviction_threshold=2**62, evictee_minimum_size=1) as e:
             step(probe)
-        #: the engine's meter of the step with nothing evicted
+        #: the engine's meter of the step with nothing evicted (CUDA:
+        #: ``memory_allocated``, the models included)
         self.baseline_peak = e.stats.peak_memory
 
     def run(self, threshold, **kwargs):
@@ -57,8 +67,9 @@ class Oracle:
             loss = self.step(model)
         assert_bit_identical(self.baseline_model, model, self.baseline_loss,
                              loss)
-        # recomputation never shifts the global RNG stream
-        assert torch.equal(torch.get_rng_state(), self.rng_after)
+        # recomputation never shifts the global RNG streams
+        for a, b in zip(_rng_states(self.device), self.rng_after):
+            assert torch.equal(a, b)
         return engine.stats
 
 

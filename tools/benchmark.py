@@ -25,6 +25,7 @@ from mmengine.config import Config, DictAction
 
 from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, OPTIMIZERS,
                                 BenchmarkSuite, Launcher, load_config)
+from mmdtr.benchmarking.launch import default_launcher
 from mmdtr.benchmarking.report import (machine_info, update_results,
                                        write_report)
 from mmdtr.core.policies import POLICIES
@@ -124,7 +125,7 @@ def parse_args(argv=None):
     run.add_argument(
         '--launcher',
         choices=LAUNCHERS,
-        help='default: forkserver where available')
+        help='default: forkserver on CPU where available, else subprocess')
     run.add_argument('--timeout', type=float, help='seconds per run')
     run.add_argument('--no-progress', action='store_true')
     run.add_argument(
@@ -168,8 +169,8 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
         blocks=args.blocks,
         threads=args.threads,
         seed=args.seed)
-    launcher = Launcher(args.launcher, osp.join(work_dir, 'logs'),
-                        args.timeout)
+    launcher = Launcher(args.launcher or default_launcher(args.device),
+                        osp.join(work_dir, 'logs'), args.timeout)
     return BenchmarkSuite(launcher, not args.no_progress, args.repeats,
                           **settings)
 

@@ -2,12 +2,14 @@
 
 Two launchers, same result (:func:`mmdtr.benchmarking.worker.run_spec`):
 
-- ``'forkserver'`` (default where available): a server process imports
-  torch, MMEngine and mmdtr once, runs no torch op and never touches CUDA,
-  and forks a fresh child per run. Nothing a run allocates outlives its
-  child, and a run starts in milliseconds instead of re-importing torch.
-- ``'subprocess'``: a fresh interpreter per run
-  (``python -m mmdtr.benchmarking.worker SPEC RESULT``).
+- ``'forkserver'`` (default on CPU where available): a server process
+  imports torch, MMEngine and mmdtr once, runs no torch op, and forks a
+  fresh child per run. Nothing a run allocates outlives its child, and a
+  run starts in milliseconds instead of re-importing torch.
+- ``'subprocess'`` (default on CUDA): a fresh interpreter per run
+  (``python -m mmdtr.benchmarking.worker SPEC RESULT``). Importing those
+  modules on a machine with a GPU may initialize CUDA (seen with torch
+  2.11), and a forked child then cannot use it.
 
 A child's stdout and stderr go to a log file per run. A run that dies (the
 kernel's OOM killer) or passes ``timeout`` seconds gets status
@@ -28,10 +30,13 @@ _REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 LAUNCHERS = ('forkserver', 'subprocess')
 
 
-def default_launcher() -> str:
-    """``'forkserver'`` where the platform has it, else ``'subprocess'``."""
+def default_launcher(device: str = 'cpu') -> str:
+    """``'forkserver'`` for CPU runs where the platform has it, else
+    ``'subprocess'``."""
     methods = multiprocessing.get_all_start_methods()
-    return 'forkserver' if 'forkserver' in methods else 'subprocess'
+    if str(device).startswith('cuda') or 'forkserver' not in methods:
+        return 'subprocess'
+    return 'forkserver'
 
 
 class Progress:

@@ -69,7 +69,8 @@ class DTR:
         policy (str | EvictionPolicy): ``'dtr'`` (default), ``'dtr_local'``,
             ``'lru'``, ``'largest'``, or an instance.
         device (str | torch.device, optional): Device whose memory is
-            metered. Defaults to CUDA when available, else CPU.
+            metered. Defaults to the device of the first storage an op
+            allocates in scope (a CUDA device: its ``memory_allocated``).
 
     Examples:
         >>> with DTR(eviction_threshold='2GB') as engine:
@@ -95,18 +96,22 @@ class DTR:
                 'bool.', 'Use True or False.')
         self.enable_sqrt_sampling = enable_sqrt_sampling
         self.policy = build_policy(policy)
-        if device is None:
-            device = 'cuda' if torch.cuda.is_available() else 'cpu'
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise MmdtrError(f'device={device!r} is not a device.',
-                             "Use 'cpu', 'cuda' or 'cuda:N'.") from None
-        if self.eviction_threshold is None and self.device.type != 'cuda':
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise MmdtrError(f'device={device!r} is not a device.',
+                                 "Use 'cpu', 'cuda' or 'cuda:N'.") from None
+        self.device = device
+        needs_cuda = device.type != 'cuda' if device is not None else \
+            not torch.cuda.is_available()
+        if self.eviction_threshold is None and needs_cuda:
+            where = device.type if device is not None else 'a machine ' \
+                'without CUDA'
             raise MmdtrError(
-                f'eviction_threshold={eviction_threshold!r} on '
-                f'{self.device.type}: evicting on allocation failure needs '
-                'CUDA.', "On CPU give a threshold, e.g. '2GB'.")
+                f'eviction_threshold={eviction_threshold!r} on {where}: '
+                'evicting on allocation failure needs CUDA.',
+                "On CPU give a threshold, e.g. '2GB'.")
         self._state = self._mode = self._hooks = None
         self._stats = None
 

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from mmdtr.errors import MmdtrError
 from .cost_model import op_cost
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
@@ -59,14 +60,16 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         sqrt_sampling (bool): Score about sqrt(N) sampled candidates per
             eviction instead of all N.
         policy (EvictionPolicy): Scores candidates (lower goes first).
-        device (torch.device): The device whose memory is metered.
+        device (torch.device | None): The device whose memory is metered;
+            ``None``: the device of the first storage an op allocates (R11).
     """
 
     def __init__(self, threshold, min_size, sqrt_sampling, policy, device):
         self.threshold, self.min_size = threshold, min_size
         self.sqrt_sampling, self.policy = sqrt_sampling, policy
-        self.device = torch.device(device)
-        self.cuda = self.device.type == 'cuda'
+        self.device = self.cuda = None
+        if device is not None:
+            self._meter_device(torch.device(device))
         self.records = {}  # storage address -> StorageRecord (R11)
         # storage address -> _StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
@@ -88,8 +91,18 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             return torch.cuda.memory_allocated(self.device)
         return self.in_use
 
+    def _meter_device(self, device):
+        if self.threshold is None and device.type != 'cuda':
+            raise MmdtrError(
+                f'eviction_threshold=None on {device.type}: evicting on '
+                'allocation failure needs CUDA.',
+                "On CPU give a threshold, e.g. '2GB'.")
+        self.device, self.cuda = device, device.type == 'cuda'
+
     def _register(self, storage, cdata, rec=None):
         nbytes = storage.nbytes()
+        if self.device is None:  # the first storage decides (R11)
+            self._meter_device(storage.device)
         if self.transients:
             transient = self.transients.pop(cdata, None)
             if transient is not None:  # a replay output adopted: counted
@@ -158,7 +171,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             for w in writes:
                 self._before_write(w)
         rng = self._capture_rng(args, kwargs) if info.random else None
-        out = self._run(func, args, kwargs)
+        out = self._run(func, args, kwargs, rng)
         self.clock += 1
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
@@ -264,13 +277,20 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
 
         return forget
 
-    def _run(self, func, args, kwargs):
+    def _run(self, func, args, kwargs, rng=None):
+        """Run an op; on CUDA, evict and retry while it runs out of memory.
+
+        A random op that failed may have advanced its generator: the retry
+        starts again from ``rng``, the state of its first try (R6).
+        """
         while True:
             try:
                 return func(*args, **kwargs)
             except _OOM:
                 if not self.cuda or not self._evict_one():
                     raise
+                if rng is not None:
+                    self._set_rng(rng)
 
     def _mutation_target(self, written, full_overwrite):
         for w in written:

@@ -126,7 +126,17 @@ class Replayer:
         return a
 
     def _run_with_rng(self, node, args, kwargs):
-        gen, state = node.rng
+        saved = self._set_rng(node.rng)
+        try:
+            return self._run(node.func, args, kwargs, node.rng)
+        finally:  # the global stream never shifts (R6)
+            self._set_rng(saved)
+
+    @staticmethod
+    def _set_rng(rng):
+        """Set a generator to a state from :meth:`_capture_rng`; return its
+        state before, in the same form."""
+        gen, state = rng
         if gen is None:
             saved = torch.get_rng_state()
             torch.set_rng_state(state)
@@ -136,12 +146,4 @@ class Replayer:
         else:
             saved = gen.get_state()
             gen.set_state(state)
-        try:
-            return self._run(node.func, args, kwargs)
-        finally:  # the global stream never shifts (R6)
-            if gen is None:
-                torch.set_rng_state(saved)
-            elif isinstance(gen, tuple):
-                torch.cuda.set_rng_state(saved, gen[1])
-            else:
-                gen.set_state(saved)
+        return gen, saved

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 
 from mmdtr import dtr
+from mmdtr.core.engine import EngineState
+from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -202,6 +204,27 @@ def test_retain_graph_backward_twice_is_exact():
         (g1, ) = torch.autograd.grad(out, w, retain_graph=True)
         (g2, ) = torch.autograd.grad(out, w)
     assert torch.equal(g1, g_ref) and torch.equal(g2, g_ref)
+
+
+def test_random_op_retried_after_oom_restarts_from_its_rng_state():
+    """On CUDA an op that runs out of memory is retried after an eviction;
+    a random op's failed try may have advanced its generator (R6)."""
+    state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
+    state.cuda = True  # the retry path, driven on CPU
+    state._evict_one = lambda: True
+    tries = []
+
+    def flaky_rand(size):
+        tries.append(torch.rand(size))  # draws, then fails the first time
+        if len(tries) == 1:
+            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return tries[-1]
+
+    torch.manual_seed(0)
+    rng = state._capture_rng((), {})
+    out = state._run(flaky_rand, (4, ), {}, rng)
+    torch.manual_seed(0)
+    assert torch.equal(out, torch.rand(4)) and len(tries) == 2
 
 
 def test_engines_are_per_thread():

@@ -1,0 +1,141 @@
+"""The engine's CUDA paths: the ``memory_allocated`` meter, eviction when an
+allocation fails (no threshold), and CPU code on a machine with a GPU.
+
+Skipped without CUDA (CI has none); run on a GPU machine with
+``python -m pytest tests/test_core/test_cuda.py``. The zoo's CUDA
+bit-exactness runs in test_equivalence.py.
+"""
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mmdtr.dtr import DTR
+
+os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason='needs CUDA')
+CUDA = torch.device('cuda', 0)
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 32, 3, padding=1)]
+    for _ in range(8):
+        layers += [
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.Dropout(0.1)
+        ]
+    return nn.Sequential(*layers).to(CUDA)
+
+
+def _inputs():
+    torch.manual_seed(1)
+    return torch.randn(16, 3, 64, 64, device=CUDA)
+
+
+def _step(model, x, **dtr):
+    """One step; returns (loss, grads, buffers, stats, allocator peak)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    torch.manual_seed(2)  # dropout: the CUDA generator
+    if dtr:
+        with DTR(evictee_minimum_size=1, **dtr) as engine:
+            loss = model(x).square().mean()
+            loss.backward()
+        stats = engine.stats
+    else:
+        loss = model(x).square().mean()
+        loss.backward()
+        stats = None
+    torch.cuda.synchronize()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    return (loss.detach(), grads, buffers, stats,
+            torch.cuda.max_memory_allocated(CUDA), torch.cuda.get_rng_state())
+
+
+def _assert_same(a, b):
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert all(torch.equal(g, h) for g, h in zip(a[1], b[1]))
+    assert all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
+    assert torch.equal(a[5], b[5])  # the CUDA RNG stream did not shift
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.fixture
+def memory_fraction():
+    """Sets ``torch.cuda.set_per_process_memory_fraction``; restores 1."""
+    yield lambda f: torch.cuda.set_per_process_memory_fraction(f, CUDA)
+    torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+    torch.cuda.empty_cache()
+
+
+def test_meter_is_memory_allocated_and_peak_stays_bounded(deterministic):
+    model, x = _model(), _inputs()
+    _step(copy.deepcopy(model), x)  # warm-up: cuDNN and cuBLAS handles
+    base = _step(copy.deepcopy(model), x)
+    free = _step(copy.deepcopy(model), x, eviction_threshold=2**40)
+    assert free[3].evictions == 0
+    # sampled after every op, the meter never exceeds the allocator's peak
+    assert 0 < free[3].peak_memory <= free[4]
+    _assert_same(base, free)
+    static = torch.cuda.memory_allocated()
+    threshold = static + (free[4] - static) // 2
+    low = _step(copy.deepcopy(model), x, eviction_threshold=threshold)
+    assert low[3].evictions > 0 and low[3].recomputations > 0
+    _assert_same(base, low)
+    # a few activations of 8 MiB (16x32x64x64 fp32): the largest op's
+    assert low[4] <= threshold + 5 * 2**23, (low[4], threshold)
+    assert low[4] < base[4]
+
+
+@torch.backends.cudnn.flags(enabled=False)
+def test_eviction_on_allocation_failure_without_threshold(
+        deterministic, memory_fraction):
+    # Without cuDNN: its convolutions swallow a workspace allocation
+    # failure and fall back to another algorithm, whose last bits differ
+    # (seen on an H100 with torch 2.11; docs/dtr.md, "CUDA").
+    model, x = _model(), _inputs()
+    _step(copy.deepcopy(model), x)  # warm-up
+    base = _step(copy.deepcopy(model), x)
+    torch.cuda.empty_cache()
+    static = torch.cuda.memory_allocated() + 2 * sum(
+        p.numel() * 4 for p in model.parameters())
+    cap = static + (base[4] - static) * 6 // 10
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    memory_fraction(cap / total)
+    ran_out = False
+    try:  # the cap bites without DTR
+        _step(copy.deepcopy(model), x)
+    except torch.OutOfMemoryError:
+        ran_out = True  # its frames (and tensors) go with the exception
+    assert ran_out
+    torch.cuda.empty_cache()
+    under_cap = _step(copy.deepcopy(model), x, eviction_threshold=None)
+    assert under_cap[3].threshold is None
+    assert under_cap[3].evictions > 0 and under_cap[3].recomputations > 0
+    _assert_same(base, under_cap)
+
+
+def test_cpu_code_on_a_cuda_machine_is_metered_on_cpu():
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(512, 256)
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1) as engine:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h @ w)
+        h.sum().backward()
+    assert engine.stats.evictions > 0
