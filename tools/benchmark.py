@@ -169,8 +169,9 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
         blocks=args.blocks,
         threads=args.threads,
         seed=args.seed)
-    launcher = Launcher(args.launcher or default_launcher(args.device),
-                        osp.join(work_dir, 'logs'), args.timeout)
+    launcher = Launcher(
+        args.launcher or default_launcher(args.device),
+        osp.join(work_dir, 'logs'), args.timeout)
     return BenchmarkSuite(launcher, not args.no_progress, args.repeats,
                           **settings)
 

@@ -93,6 +93,8 @@ def make_spec(config: str,
 
 
 def _limit_cuda_memory(device: torch.device, capacity: int) -> None:
+    if device.index is None:  # the memory fraction needs an index
+        device = torch.device('cuda', torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(
         min(1.0, capacity / total), device)

@@ -20,6 +20,7 @@ from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 Workload, apply_technique, block_names,
                                 checkpoint_segments, largest_fitting,
                                 load_config, make_spec, run_spec, split_even)
+from mmdtr.benchmarking.launch import default_launcher
 from mmdtr.benchmarking.report import markdown
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -239,6 +240,13 @@ def test_run_spec_in_process_and_in_a_subprocess(tmp_path):
     assert osp.isfile(launched['log'])
     bad = run_spec(dict(spec, config=str(tmp_path / 'missing.py')))
     assert bad['status'] == 'error' and 'missing.py' in bad['error']
+
+
+def test_cuda_runs_get_a_fresh_interpreter_each():
+    # a forked child cannot use CUDA once the server's imports touched it
+    assert default_launcher('cuda') == default_launcher('cuda:1') == \
+        'subprocess'
+    assert default_launcher('cpu') in ('forkserver', 'subprocess')
 
 
 def _record(name, technique, step, threshold=None, fraction=None):
