@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.errors import MmdtrError
-from .engine import EngineState
+from .engine import EngineState, oom_eviction_needs_cuda
 from .policies import build_policy
 from .sizes import parse_size
 
@@ -108,10 +108,7 @@ class DTR:
         if self.eviction_threshold is None and needs_cuda:
             where = device.type if device is not None else 'a machine ' \
                 'without CUDA'
-            raise MmdtrError(
-                f'eviction_threshold={eviction_threshold!r} on {where}: '
-                'evicting on allocation failure needs CUDA.',
-                "On CPU give a threshold, e.g. '2GB'.")
+            raise oom_eviction_needs_cuda(eviction_threshold, where)
         self._state = self._mode = self._hooks = None
         self._stats = None
 

@@ -28,6 +28,14 @@ _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 
 
+def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
+    """The error for no threshold (evict on allocation failure) off CUDA."""
+    return MmdtrError(
+        f'eviction_threshold={threshold!r} on {where}: evicting on '
+        'allocation failure needs CUDA.',
+        "On CPU give a threshold, e.g. '2GB'.")
+
+
 def _input_storages(args, kwargs) -> set:
     """Addresses of the storages of a call's tensor arguments."""
     cdatas = set()
@@ -93,10 +101,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
 
     def _meter_device(self, device):
         if self.threshold is None and device.type != 'cuda':
-            raise MmdtrError(
-                f'eviction_threshold=None on {device.type}: evicting on '
-                'allocation failure needs CUDA.',
-                "On CPU give a threshold, e.g. '2GB'.")
+            raise oom_eviction_needs_cuda(None, device.type)
         self.device, self.cuda = device, device.type == 'cuda'
 
     def _register(self, storage, cdata, rec=None):
