@@ -1,10 +1,14 @@
 """Shared test fixtures: the bit-exactness oracle of the DTR engine."""
 import copy
+import os
 
 import pytest
 import torch
 
 from mmdtr.dtr import DTR
+
+# cuBLAS reads this when its handle is made: before any CUDA matmul
+os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
 
 
 def _state(model):
@@ -76,3 +80,13 @@ class Oracle:
 @pytest.fixture
 def oracle():
     return Oracle
+
+
+@pytest.fixture
+def deterministic():
+    """Deterministic algorithms (bit-exactness on CUDA needs them);
+    restored afterwards."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)

@@ -6,7 +6,6 @@ Skipped without CUDA (CI has none); run on a GPU machine with
 bit-exactness runs in test_equivalence.py.
 """
 import copy
-import os
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch.nn as nn
 
 from mmdtr.dtr import DTR
 
-os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason='needs CUDA')
 CUDA = torch.device('cuda', 0)
@@ -64,14 +62,6 @@ def _assert_same(a, b):
     assert all(torch.equal(g, h) for g, h in zip(a[1], b[1]))
     assert all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
     assert torch.equal(a[5], b[5])  # the CUDA RNG stream did not shift
-
-
-@pytest.fixture
-def deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ byte), and compares loss, every gradient and every buffer with
 really evict and recompute. On CUDA (where available) the zoo runs again
 with deterministic algorithms; there the meter counts the models too.
 """
-import os
 import random
 
 import pytest
@@ -16,8 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FRACTIONS = (1.0, 0.5, 0.3, 0.0)
-# cuBLAS reads this when its handle is made: before any CUDA matmul
-os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
 DEVICES = [
     'cpu',
     pytest.param(
@@ -213,16 +210,6 @@ ZOO = {
     'gpt_block': (TiedGPTBlock, _gpt_step),
     'dynamic': (DynamicPaths, _dynamic_step),
 }
-
-
-@pytest.fixture
-def deterministic(request):
-    """Deterministic algorithms for the CUDA runs (bit-exactness needs
-    them there); restored afterwards."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
 
 
 @pytest.mark.parametrize('device', DEVICES)
