@@ -17,6 +17,7 @@ from mmengine.registry import RUNNERS
 from mmengine.utils import import_modules_from_strings
 
 from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.adapters.distributed import close_dist
 from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
 from mmdtr.errors import MmdtrError
 
@@ -170,6 +171,7 @@ def main(argv=None):
         sys.exit(1)
     runner = build_runner(cfg)
     runner.train()
+    close_dist()  # before the interpreter exits: see its docstring
 
 
 if __name__ == '__main__':

@@ -100,6 +100,20 @@ def init_cpu_dist(launcher: str,
         backend=backend, rank=rank, world_size=world_size, **kwargs)
 
 
+def close_dist() -> None:
+    """Wait for every rank, then destroy the default process group.
+
+    ``tools/train.py`` calls it after training ends normally. A process that
+    exits with its gloo group alive can abort while the interpreter shuts
+    down (gloo's worker threads still hold tensors: "terminate called
+    without an active exception", SIGABRT), which fails the whole torchrun
+    job after training succeeded. Nothing happens without a process group.
+    """
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
+
+
 def _on_cpu(module: nn.Module) -> bool:
     tensors = list(module.parameters()) + list(module.buffers())
     return all(t.device.type == 'cpu' for t in tensors)

@@ -8,7 +8,7 @@ from mmengine.model import MMDistributedDataParallel
 from torch import nn
 
 from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
-                                        init_cpu_dist)
+                                        close_dist, init_cpu_dist)
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
@@ -122,6 +122,32 @@ def test_init_cpu_dist_errors(monkeypatch):
     with pytest.raises(MmdtrError, match='RANK'):
         init_cpu_dist('pytorch')
     assert not torch_dist.is_initialized()
+
+
+@cpu_only
+def test_train_tool_destroys_its_process_group(single_rank_env, tmp_path,
+                                               train_tool):
+    # a process leaving with its gloo group alive can abort at exit (SIGABRT)
+    config = tmp_path / 'one_rank_cfg.py'
+    config.write_text("""
+model = dict(type='LinearToyModel')
+train_dataloader = dict(
+    dataset=dict(type='RangeToyDataset'),
+    sampler=dict(type='DefaultSampler', shuffle=False),
+    batch_size=2,
+    num_workers=0,
+    collate_fn=dict(type='default_collate'))
+train_cfg = dict(by_epoch=False, max_iters=2)
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1))
+log_level = 'WARNING'
+""")
+    train_tool.main([
+        str(config), '--work-dir',
+        str(tmp_path / 'work'), '--launcher', 'pytorch', '--cfg-options',
+        f'experiment_name=dist_{uuid.uuid4().hex}'
+    ])
+    assert not torch_dist.is_initialized()
+    close_dist()  # and without a group it does nothing
 
 
 @cpu_only
