@@ -67,8 +67,10 @@ class DTRHook(Hook):
     Each training iteration's data preprocessing, forward and backward run
     under a fresh :class:`~mmdtr.dtr.DTR` engine, closed before gradient
     clipping and the optimizer step, and also on iterations that only
-    accumulate gradients or that raise. Validation and test loops never run
-    under it. Per iteration, the peak memory (MiB), evictions,
+    accumulate gradients or that raise. With several optimizers
+    (``OptimWrapperDict``, as GANs train) the engine spans the whole
+    ``train_step``, optimizer steps included. Validation and test loops
+    never run under it. Per iteration, the peak memory (MiB), evictions,
     recomputations, rebuild time and eviction failures go to the message
     hub as ``train/dtr_*`` scalars, shown by ``LoggerHook`` and the
     visualizer backends.

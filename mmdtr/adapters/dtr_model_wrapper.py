@@ -127,11 +127,13 @@ class DTRTrainStep:
     Each call builds a fresh engine, enters it, runs ``train_step`` and
     closes the engine when ``optim_wrapper.backward`` returns (before
     gradient clipping and the optimizer step), or when ``train_step`` ends
-    or raises, whichever comes first. The statistics of the iteration are
-    :attr:`stats` and go to the ``MessageHub`` as the scalars in
-    :data:`SCALARS` (``train/dtr_peak_memory_mb``, ``train/dtr_evictions``,
-    ``train/dtr_recomputations``, ``train/dtr_remat_seconds``,
-    ``train/dtr_eviction_failures``).
+    or raises, whichever comes first. With an ``OptimWrapperDict`` (several
+    optimizers, each with its own backward, as GANs train) the engine spans
+    the whole ``train_step``, optimizer steps included. The statistics of
+    the iteration are :attr:`stats` and go to the ``MessageHub`` as the
+    scalars in :data:`SCALARS` (``train/dtr_peak_memory_mb``,
+    ``train/dtr_evictions``, ``train/dtr_recomputations``,
+    ``train/dtr_remat_seconds``, ``train/dtr_eviction_failures``).
 
     Args:
         settings (dict): See :func:`dtr_settings`.
@@ -158,13 +160,13 @@ class DTRTrainStep:
 
     def __call__(self, train_step: Callable, data, optim_wrapper):
         """Run ``train_step(data, optim_wrapper)`` under a fresh engine."""
-        if not isinstance(optim_wrapper, OptimWrapper) or isinstance(
-                optim_wrapper, OptimWrapperDict):
+        if not isinstance(optim_wrapper, OptimWrapper):
             raise MmdtrError(
-                f'DTR needs one OptimWrapper (it closes the engine after its '
-                f'backward), got {type(optim_wrapper).__name__}.',
-                hint='models with several optimizers (OptimWrapperDict) '
-                'are not supported by the dtr key yet; remove dtr.')
+                f'DTR runs train_step(data, optim_wrapper) with an '
+                f'OptimWrapper or an OptimWrapperDict, got '
+                f'{type(optim_wrapper).__name__}.',
+                hint='build the optimizer through optim_wrapper in the '
+                'config, as MMEngine does.')
         if dtr_mode_active():
             raise MmdtrError(
                 'a DTR engine is already active on this thread; DTR runs '
@@ -172,6 +174,20 @@ class DTRTrainStep:
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
         engine = DTR(device=self.device, **self.settings)
+        if isinstance(optim_wrapper, OptimWrapperDict):
+            # several backwards (GANs): the engine spans the whole step,
+            # optimizer steps included (R7 orders their parameter writes)
+            with engine:
+                result = train_step(data, optim_wrapper)
+        else:
+            result = self._close_after_backward(engine, train_step, data,
+                                                optim_wrapper)
+        self.stats = engine.stats
+        self._publish(self.stats)
+        return result
+
+    @staticmethod
+    def _close_after_backward(engine, train_step, data, optim_wrapper):
         had_own = 'backward' in vars(optim_wrapper)
         backward = optim_wrapper.backward
 
@@ -188,7 +204,7 @@ class DTRTrainStep:
         optim_wrapper.backward = backward_then_close
         try:
             engine.__enter__()
-            result = train_step(data, optim_wrapper)
+            return train_step(data, optim_wrapper)
         finally:
             try:
                 close()
@@ -197,9 +213,6 @@ class DTRTrainStep:
                     optim_wrapper.backward = backward
                 else:
                     del optim_wrapper.backward
-        self.stats = engine.stats
-        self._publish(self.stats)
-        return result
 
     def _publish(self, stats: DTRStats) -> None:
         hub = self.message_hub or MessageHub.get_current_instance()
