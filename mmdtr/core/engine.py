@@ -36,17 +36,23 @@ def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
         "On CPU give a threshold, e.g. '2GB'.")
 
 
+def _tensors_in(values) -> list:
+    """The tensors among ``values``, and in their lists (one level)."""
+    tensors = []
+    for a in values:
+        if isinstance(a, Tensor):
+            tensors.append(a)
+        elif isinstance(a, (list, tuple)):
+            tensors += [b for b in a if isinstance(b, Tensor)]
+    return tensors
+
+
 def _input_storages(args, kwargs) -> set:
     """Addresses of the storages of a call's tensor arguments."""
-    cdatas = set()
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            cdatas.add(a.untyped_storage()._cdata)
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, Tensor):
-                    cdatas.add(b.untyped_storage()._cdata)
-    return cdatas
+    return {
+        t.untyped_storage()._cdata
+        for t in _tensors_in((*args, *kwargs.values()))
+    }
 
 
 def _scratch_ref(a):
@@ -200,6 +206,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                     self._link(rec, node)
         for w in declared:
             self._after_write(w, node if replayable else None, info)
+        for w in writes[n_declared:]:  # never replayed: caps hi (R5)
+            self._after_write(w, None, info)
         memory = self.memory_in_use()
         if self.cuda and memory > self.peak:
             self.peak = memory
@@ -212,18 +220,18 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
     @staticmethod
     def _writes(info, args, kwargs):
         """Tensors the call writes: declared ones first, then side effects
-        (batch norm's running statistics in training mode, R6)."""
-        writes = [get_arg(info, args, kwargs, i) for i in info.written_args]
-        scratch = ()
+        (batch norm's running statistics in training mode, R6; the lists of
+        foreach and fused optimizer steps, R7). Lists are flattened."""
+        writes = _tensors_in(
+            get_arg(info, args, kwargs, i) for i in info.written_args)
+        n_declared, scratch = len(writes), ()
         if info.side_effect_args and (info.batch_norm_training_arg is None
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
             scratch = info.side_effect_args
-            writes += [get_arg(info, args, kwargs, i) for i in scratch]
-        n_declared = sum(
-            isinstance(w, Tensor) for w in writes[:len(info.written_args)])
-        return [w for w in writes if isinstance(w, Tensor)], n_declared, \
-            scratch
+            writes += _tensors_in(
+                get_arg(info, args, kwargs, i) for i in scratch)
+        return writes, n_declared, scratch
 
     def _register_outputs(self, out, args, kwargs, fresh_returns):
         """Register the storages the call allocated; return them (R11).
