@@ -170,8 +170,12 @@ def main(argv=None):
         print(f'{type(e).__name__}: {e}', file=sys.stderr)
         sys.exit(1)
     runner = build_runner(cfg)
-    runner.train()
-    close_dist()  # before the interpreter exits: see its docstring
+    try:
+        runner.train()
+    except BaseException:
+        close_dist(wait=False)  # before the interpreter exits: see there
+        raise
+    close_dist()
 
 
 if __name__ == '__main__':

@@ -100,17 +100,24 @@ def init_cpu_dist(launcher: str,
         backend=backend, rank=rank, world_size=world_size, **kwargs)
 
 
-def close_dist() -> None:
-    """Wait for every rank, then destroy the default process group.
+def close_dist(wait: bool = True) -> None:
+    """Destroy the default process group, after every rank got here.
 
-    ``tools/train.py`` calls it after training ends normally. A process that
-    exits with its gloo group alive can abort while the interpreter shuts
-    down (gloo's worker threads still hold tensors: "terminate called
-    without an active exception", SIGABRT), which fails the whole torchrun
-    job after training succeeded. Nothing happens without a process group.
+    ``tools/train.py`` calls it when training ends. A process that exits
+    with its gloo group alive can abort while the interpreter shuts down
+    (gloo's worker threads still hold tensors: "terminate called without an
+    active exception", SIGABRT), which fails the whole torchrun job after
+    training succeeded. Nothing happens without a process group.
+
+    Args:
+        wait (bool): Wait for every rank first (a barrier). ``False`` when
+            this rank failed: the others may never get here, and they fail
+            fast on the closed connection instead of waiting out the
+            collective timeout. Defaults to True.
     """
     if torch_dist.is_available() and torch_dist.is_initialized():
-        torch_dist.barrier()
+        if wait:
+            torch_dist.barrier()
         torch_dist.destroy_process_group()
 
 

@@ -14,7 +14,8 @@ who runs that step, once, before training:
   process.
 
 Either way there is one engine per process, entered for the forward and
-backward of each training iteration only.
+backward of each training iteration only (for its whole ``train_step`` with
+several optimizers; see :class:`DTRTrainStep`).
 """
 import functools
 from typing import Optional, Union
@@ -67,12 +68,11 @@ class DTRHook(Hook):
     Each training iteration's data preprocessing, forward and backward run
     under a fresh :class:`~mmdtr.dtr.DTR` engine, closed before gradient
     clipping and the optimizer step, and also on iterations that only
-    accumulate gradients or that raise. With several optimizers
-    (``OptimWrapperDict``, as GANs train) the engine spans the whole
-    ``train_step``, optimizer steps included. Validation and test loops
-    never run under it. Per iteration, the peak memory (MiB), evictions,
-    recomputations, rebuild time and eviction failures go to the message
-    hub as ``train/dtr_*`` scalars, shown by ``LoggerHook`` and the
+    accumulate gradients or that raise (with several optimizers, see
+    :class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep`). Validation and
+    test loops never run under it. Per iteration, the peak memory (MiB),
+    evictions, recomputations, rebuild time and eviction failures go to the
+    message hub as ``train/dtr_*`` scalars, shown by ``LoggerHook`` and the
     visualizer backends.
 
     Args:
@@ -134,8 +134,8 @@ class DTRHook(Hook):
             where = f'{type(model).__name__}.train_step (by DTRHook)'
         runner.logger.info(
             f'Enabling the "{KEY}" feature (mmdtr) on {device}: '
-            f'{self.settings}, in {where}; forward and backward of each '
-            'training iteration run under DTR.')
+            f'{self.settings}, in {where}; each training iteration runs '
+            'under DTR.')
 
     def after_train(self, runner) -> None:
         """Detach the engine: later calls of ``train_step`` run without."""

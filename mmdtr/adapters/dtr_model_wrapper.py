@@ -5,8 +5,10 @@
 the data preprocessor and the forward, and closed as soon as
 ``optim_wrapper.backward`` returns, so gradient clipping, the optimizer step
 and ``zero_grad`` run without it (and an iteration that only accumulates
-gradients closes it too). An exception anywhere in the iteration closes it
-as well: no dispatch mode or saved-tensor hooks stay on the thread. The
+gradients closes it too). With several optimizers (an ``OptimWrapperDict``)
+it spans the whole ``train_step``. An exception anywhere in the iteration
+closes it as well: no dispatch mode or saved-tensor hooks stay on the
+thread. The
 engine's statistics of each iteration go to MMEngine's ``MessageHub``.
 
 :class:`DTRDistributedDataParallel` is the DDP wrapper whose ``train_step``
@@ -165,8 +167,9 @@ class DTRTrainStep:
                 f'DTR runs train_step(data, optim_wrapper) with an '
                 f'OptimWrapper or an OptimWrapperDict, got '
                 f'{type(optim_wrapper).__name__}.',
-                hint='build the optimizer through optim_wrapper in the '
-                'config, as MMEngine does.')
+                hint='OptimWrapper and its subclasses (AmpOptimWrapper, '
+                'OptimWrapperDict, ...) are supported; other '
+                'BaseOptimWrapper types are not.')
         if dtr_mode_active():
             raise MmdtrError(
                 'a DTR engine is already active on this thread; DTR runs '

@@ -50,7 +50,7 @@ class DTRToyGAN(BaseModel):
         self.discriminator = nn.Sequential(
             _conv_block(3, 8), _conv_block(8, 8), nn.AdaptiveAvgPool2d(1),
             nn.Flatten(), nn.Linear(8, 1))
-        self.under_dtr = []  # (update, engine active) per update
+        self.fail_after_discriminator = False
 
     def forward(self, inputs, data_samples=None, mode='tensor'):
         return self.generator(inputs)
@@ -64,11 +64,11 @@ class DTRToyGAN(BaseModel):
                 fake = self.generator(noise)
             loss_d = F.softplus(self.discriminator(fake)).mean() + \
                 F.softplus(-self.discriminator(real)).mean()
-            self.under_dtr.append(('discriminator', dtr_mode_active()))
             disc.update_params(loss_d)
+        if self.fail_after_discriminator:
+            raise RuntimeError('generator step failed')
         with gen.optim_context(self.generator):
             loss_g = F.softplus(-self.discriminator(self.generator(noise)))
-            self.under_dtr.append(('generator', dtr_mode_active()))
             gen.update_params(loss_g.mean())
         return dict(loss_d=loss_d.detach(), loss_g=loss_g.detach().mean())
 
@@ -103,13 +103,17 @@ class PerSubmoduleOptimWrapperConstructor:
 
 
 def _optim_wrappers(model):
+    """SGD with momentum: the generator's a foreach step (one op writes all
+    its parameters), the discriminator's a loop."""
 
-    def sgd(module):
+    def sgd(module, foreach):
         return OptimWrapper(
-            torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+            torch.optim.SGD(
+                module.parameters(), lr=0.1, momentum=0.9, foreach=foreach))
 
     return OptimWrapperDict(
-        generator=sgd(model.generator), discriminator=sgd(model.discriminator))
+        generator=sgd(model.generator, True),
+        discriminator=sgd(model.discriminator, False))
 
 
 def _images(i):
@@ -138,6 +142,11 @@ def test_two_optimizers_bit_identical_under_dtr():
     plain = DTRToyGAN()
     model = copy.deepcopy(plain)
     plain_optims, optims = _optim_wrappers(plain), _optim_wrappers(model)
+    steps_under_dtr = []
+    for name, wrapper in optims.items():
+        wrapper.optimizer.register_step_pre_hook(
+            lambda *_, name=name: steps_under_dtr.append(
+                (name, dtr_mode_active())))
     step = DTRTrainStep(
         DTR_CFG, message_hub=MessageHub.get_instance(uuid.uuid4().hex))
     for i in range(2):
@@ -152,8 +161,16 @@ def test_two_optimizers_bit_identical_under_dtr():
         assert step.stats.evictions > 0 and step.stats.recomputations > 0
         assert torch._C._len_torch_dispatch_stack() == 0
     assert_same_training_state(plain, plain_optims, model, optims)
-    assert model.under_dtr == [('discriminator', True),
+    assert steps_under_dtr == [('discriminator', True),
                                ('generator', True)] * 2
+
+    model.fail_after_discriminator = True
+    stats = step.stats
+    with pytest.raises(RuntimeError, match='generator step failed'):
+        step(model.train_step, _images(0), optims)
+    assert step.stats is stats  # nothing published for a failed step
+    assert not dtr_mode_active()
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
