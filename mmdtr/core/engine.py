@@ -198,7 +198,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                                    target)
         if record_creator and replayable:
             for i, rec in new:
-                if info.uninitialized:
+                if info.fresh_buffer:
                     rec.creator = AllocNode(rec.nbytes, rec.device)
                 else:
                     rec.creator, rec.out_index, rec.lo = node, i, 0

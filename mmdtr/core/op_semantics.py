@@ -34,6 +34,13 @@ _FULL_OVERWRITE = frozenset({
     'exponential_', 'geometric_', 'cauchy_', 'log_normal_'
 })
 
+#: Factories of fresh buffers: what custom kernels outside the dispatcher
+#: are handed to fill (OpenMMLab's compiled ops allocate their outputs with
+#: ``new_zeros`` or ``new_empty``), so their content is trusted only after
+#: a full overwrite through the dispatcher (R5).
+_FRESH_BUFFER_PREFIXES = ('empty', 'new_empty', '_empty', 'zeros', 'new_zeros',
+                          'ones', 'new_ones', 'full', 'new_full')
+
 
 class OpInfo(NamedTuple):
     """Static facts about one operator overload.
@@ -50,8 +57,9 @@ class OpInfo(NamedTuple):
             random ops included (their RNG state is replayed), and no
             undeclared side effects other than those handled above.
         random (bool): Whether the op draws from a random generator.
-        uninitialized (bool): Whether outputs are uninitialized memory
-            (``empty`` and friends).
+        fresh_buffer (bool): Whether outputs are fresh buffers (``empty``,
+            ``zeros``, ``ones``, ``full`` and their ``_like`` and ``new_``
+            forms), recomputable only once overwritten whole.
         full_overwrite (bool): Whether it overwrites ``self`` regardless of
             its prior content.
         nondeterministic (bool): Whether the op may be bitwise
@@ -65,7 +73,7 @@ class OpInfo(NamedTuple):
     batch_norm_training_arg: object
     replayable: bool
     random: bool
-    uninitialized: bool
+    fresh_buffer: bool
     full_overwrite: bool
     nondeterministic: bool
     fresh_returns: bool
@@ -120,7 +128,7 @@ def _classify(func) -> OpInfo:
         batch_norm_training_arg=bn_arg if bn_arg is not False else None,
         replayable=replayable,
         random=torch.Tag.nondeterministic_seeded in tags,
-        uninitialized=name.startswith(('empty', 'new_empty', '_empty')),
+        fresh_buffer=name.startswith(_FRESH_BUFFER_PREFIXES),
         full_overwrite=name in _FULL_OVERWRITE,
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns))

@@ -109,7 +109,7 @@ class OpNode:
 
 
 class AllocNode:
-    """Creator of an uninitialized storage (``empty`` and friends)."""
+    """Creator of a fresh buffer (``empty``, ``zeros`` and friends, R5)."""
     __slots__ = ('nbytes', 'device', 'cost')
 
     def __init__(self, nbytes, device):

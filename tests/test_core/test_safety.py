@@ -41,7 +41,12 @@ def test_visible_tensors_are_never_evicted():
     assert engine.stats.evictions == 0
 
 
-def test_storages_filled_outside_the_dispatcher_are_kept(oracle):
+@pytest.mark.parametrize(
+    'allocate', [torch.empty, torch.zeros, lambda *s: torch.full(s, 2.0)],
+    ids=['empty', 'zeros', 'full'])
+def test_storages_filled_outside_the_dispatcher_are_kept(oracle, allocate):
+    # OpenMMLab's compiled ops allocate their outputs with new_zeros (or
+    # new_empty) and fill them in C++, out of the dispatcher's sight
     data = np.random.RandomState(0).randn(32, 32).astype(np.float32)
 
     class Custom(nn.Module):
@@ -51,7 +56,7 @@ def test_storages_filled_outside_the_dispatcher_are_kept(oracle):
             self.lin = nn.Linear(32, 32)
 
         def forward(self, x):
-            buf = torch.empty(32, 32)  # filled by a "custom kernel"
+            buf = allocate(32, 32)  # filled by a "custom kernel"
             buf.numpy()[:] = data
             y = self.lin(x) * buf
             z = torch.from_numpy(data) + y  # a tensor from outside
