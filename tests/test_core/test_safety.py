@@ -73,6 +73,42 @@ def test_storages_filled_outside_the_dispatcher_are_kept(oracle, allocate):
     assert stats.evictions > 0
 
 
+def test_custom_function_outputs_filled_by_a_kernel_are_kept(oracle):
+    # a compiled op wrapped in an autograd.Function (how OpenMMLab's ops
+    # are): its forward runs under no_grad, so even the output of a
+    # replayable op there has no recipe, and a kernel may fill it
+    data = np.random.RandomState(1).randn(32, 32).astype(np.float32)
+
+    class KernelOp(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            out = x.clone()  # replayable, but filled below
+            out.numpy()[:] += data
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Net(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return KernelOp.apply(self.lin(x)).sin().sum()
+
+    def step(model):
+        loss = model(torch.randn(32, 32))
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    assert oracle(Net(), step).run(1).evictions > 0
+
+
 def test_write_to_external_input_freezes_its_users(oracle):
     scale = torch.ones(64, 64)
 
