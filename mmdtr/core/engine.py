@@ -18,7 +18,8 @@ from .cost_model import op_cost
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
 from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
-                      SelfRef, StorageRecord, detached_alias, view_meta)
+                      SelfRef, StorageRecord, detached_alias, managed,
+                      view_meta)
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes
@@ -26,6 +27,7 @@ from .writes import Writes
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
@@ -37,14 +39,18 @@ def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
 
 
 def _tensors_in(values) -> list:
-    """The tensors among ``values``, and in their lists (one level)."""
+    """The strided tensors among ``values``, and in their lists (one level).
+
+    Sparse and other non-strided tensors have no storage to track: the
+    engine never records, versions or evicts them (R4).
+    """
     tensors = []
     for a in values:
         if isinstance(a, Tensor):
             tensors.append(a)
         elif isinstance(a, (list, tuple)):
             tensors += [b for b in a if isinstance(b, Tensor)]
-    return tensors
+    return [t for t in tensors if t.layout is _STRIDED]
 
 
 def _input_storages(args, kwargs) -> set:
@@ -204,8 +210,13 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                     rec.creator, rec.out_index, rec.lo = node, i, 0
                     rec.cost = node.cost
                     self._link(rec, node)
+        # a node replays one written storage (SelfRef); an op writing two
+        # or more (out=(values, indices)) cannot rebuild either (R5)
+        mutation = node if replayable and len(
+            {w.untyped_storage()._cdata
+             for w in declared}) == 1 else None
         for w in declared:
-            self._after_write(w, node if replayable else None, info)
+            self._after_write(w, mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
         memory = self.memory_in_use()
@@ -250,8 +261,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             return ()
         records, new, inputs = self.records, [], None
         for i, o in enumerate(outs):
-            if not isinstance(o, Tensor):
-                continue
+            if not isinstance(o, Tensor) or not managed(o):
+                continue  # not a tensor, or held: see managed()
             storage = o.untyped_storage()
             cdata = storage._cdata
             if cdata in records:
@@ -273,7 +284,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             if input_rec is not None:
                 if input_rec is not rec:
                     rec.add_input(input_rec)
-            elif isinstance(ref, HeldRef):
+            elif isinstance(ref, HeldRef) and \
+                    ref.tensor.layout is _STRIDED:  # sparse: no storage
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
@@ -348,6 +360,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         return a
 
     def _ref(self, t, target):
+        if not managed(t):  # held as it is (R4)
+            return HeldRef(detached_alias(t), None, None)
         cdata = t.untyped_storage()._cdata
         if cdata == target:
             return SelfRef(view_meta(t))

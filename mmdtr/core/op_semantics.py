@@ -113,7 +113,9 @@ def _classify(func) -> OpInfo:
                 side_effects.append(i)
     bn_arg = _BATCH_NORM_TRAINING_ARG.get(name, False)
     if bn_arg is not False:
-        side_effects = [arg_names.index(n) for n in _RUNNING_STATS]
+        side_effects = [  # none in _native_batch_norm_legit.no_stats
+            arg_names.index(n) for n in _RUNNING_STATS if n in arg_names
+        ]
     tags = func.tags
     namespace = getattr(func, 'namespace', schema.name.split('::')[0])
     replayable = (

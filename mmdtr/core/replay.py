@@ -10,7 +10,7 @@ import torch
 
 from mmdtr.errors import MmdtrError
 from .records import (AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef,
-                      view_of)
+                      detached_alias, view_of)
 
 Tensor = torch.Tensor
 
@@ -25,6 +25,9 @@ class Replayer:
     @staticmethod
     def _capture_rng(args, kwargs):
         gen = kwargs.get('generator')
+        if gen is None:  # positional in some schemas (poisson, _fused_dropout)
+            gen = next((a for a in args if isinstance(a, torch.Generator)),
+                       None)
         if gen is not None:
             return gen, gen.get_state()
         device = kwargs.get('device')
@@ -92,7 +95,12 @@ class Replayer:
         resolve = self._resolve
         args = tuple(resolve(a, self_storage) for a in node.args)
         kwargs = {k: resolve(v, self_storage) for k, v in node.kwargs.items()}
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
+        # as recorded: below the dispatch mode, after autocast (the recorded
+        # op is the cast one), and in grad mode (some ops return other
+        # outputs without it: mkldnn_rnn_layer's workspace); no argument
+        # requires grad, so no graph is built (R4)
+        with torch.enable_grad(), torch._C._DisableTorchDispatch(), \
+                torch._C._DisableAutocast():
             if node.rng is None:
                 out = self._run(node.func, args, kwargs)
             else:
@@ -115,7 +123,8 @@ class Replayer:
                     f'an input (shape {tuple(a.tensor.shape)}) changed from '
                     f'version {a.version} to {a.current_version()} outside '
                     "the engine's sight.", 'Please report it with the model.')
-            return a.tensor
+            t = a.tensor
+            return detached_alias(t) if t.requires_grad else t
         if isinstance(a, SelfRef):
             return view_of(self_storage, a.meta, self_storage.device)
         if isinstance(a, ScratchRef):

@@ -7,7 +7,7 @@ and R10 of docs/design.md.
 """
 import time
 
-from .records import detached_alias, view_meta, view_of
+from .records import detached_alias, managed, view_meta, view_of
 
 
 class SavedHandle:
@@ -27,7 +27,7 @@ class SavedTensors:
     evicted storages; mixed into ``EngineState``."""
 
     def pack(self, t):
-        if self.closed:
+        if self.closed or not managed(t):
             return t
         rec = self.records.get(t.untyped_storage()._cdata)
         if rec is None or rec.nbytes < self.min_size \

@@ -1,0 +1,161 @@
+"""Ops and tensor kinds at the edges of the engine's recipes (R4, R5).
+
+Each case runs a step without DTR and under the smallest threshold, and
+compares every returned tensor bit for bit (NaNs equal). Found by an
+adversarial search; each failed before its fix.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from mmdtr.dtr import DTR
+
+
+def same_under_dtr(step):
+    """Run ``step()`` (returning tensors) plain and under DTR with every
+    storage evictable; assert bit-identical results; return the stats."""
+    torch.manual_seed(0)
+    expected = step()
+    torch.manual_seed(0)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        got = step()
+    for a, b in zip(expected, got):
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    return engine.stats
+
+
+def test_op_writing_two_out_tensors():
+    # max(out=(values, indices)): one call writes two storages, and no
+    # single recipe can rebuild either of them
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step():
+        w.grad = None
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        values, indices = y.amax(1) * 1.0, y.argmax(1) + 0
+        torch.max(y * 2, 1, out=(values, indices))
+        picked = torch.gather(x @ w, 1, indices.unsqueeze(1))  # saves them
+        del values, indices  # now only the engine holds them
+        torch.randn(64, 64).sum()  # one more op: they are evicted
+        loss = picked.exp().sum()
+        loss.backward()
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).evictions > 0
+
+
+def test_positional_generator_is_replayed():
+    # poisson's Generator is positional in its schema
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def step():
+        x.grad = None
+        gen = torch.Generator().manual_seed(3)
+        counts = torch.poisson(torch.full((8, 16), 3.0), generator=gen)
+        h = (x * counts).exp().sin()
+        del counts  # now only the engine holds it
+        loss = h.sum()
+        loss.backward()
+        return [loss, x.grad, gen.get_state()]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_lstm_workspace_is_rebuilt_in_grad_mode():
+    # mkldnn_rnn_layer returns its workspace only in grad mode
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16)
+    x = torch.randn(5, 3, 8)
+
+    def step():
+        lstm.zero_grad()
+        loss = lstm(x)[0].exp().sin().sum()
+        loss.backward()
+        return [loss] + [p.grad for p in lstm.parameters()]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_backward_under_autocast_replays_the_recorded_dtypes():
+    # a gradient penalty's autograd.grad inside autocast: the recorded ops
+    # are already cast, so a replay must not cast them again
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step():
+        loss = torch.tanh(torch.tanh(x @ w).sin() @ w).sum()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            grad, = torch.autograd.grad(loss, w)
+        return [loss, grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.mark.parametrize('bit', ['conj', 'neg'])
+def test_views_with_a_conjugate_or_negative_bit_are_held(bit):
+    x = torch.randn(8, 8, dtype=torch.cfloat)
+    w = torch.randn(8, 8, dtype=torch.cfloat, requires_grad=True)
+
+    def step():
+        w.grad = None
+        h = (x @ w).add(1)
+        if bit == 'conj':
+            y = (h.conj() @ h).exp().abs()  # mm saves the conj view
+        else:
+            n = h.conj().imag  # a negative-bit view
+            y = (n * n.exp()).sin()
+        del h
+        loss = y.sum()
+        loss.backward()
+        return [loss, w.grad]
+
+    same_under_dtr(step)
+
+
+@pytest.mark.filterwarnings('ignore:torch.quantize_per_tensor')
+def test_quantized_tensors_are_held():
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step():
+        w.grad = None
+        h = (x @ w).add(1)
+        q = torch.quantize_per_tensor(h.detach(), 0.1, 0, torch.qint8)
+        y = (h * q.dequantize()).exp().sin()
+        del q, h
+        loss = y.sum()
+        loss.backward()
+        return [loss, w.grad]
+
+    same_under_dtr(step)
+
+
+def test_sparse_tensors_are_held():
+    adj = (torch.rand(8, 8) > 0.7).float().to_sparse()  # made outside
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step():
+        w.grad = None
+        inside = (torch.rand(8, 8) > 0.5).float().to_sparse()
+        h = torch.sparse.mm(adj, x @ w).relu()
+        h = torch.sparse.mm(inside, h.exp()).sin()
+        loss = h.sum()
+        loss.backward()
+        return [loss, w.grad]
+
+    same_under_dtr(step)
+
+
+def test_batch_norm_without_running_statistics():
+    x = torch.randn(4, 3, 5, 5, requires_grad=True)
+
+    def step():
+        x.grad = None
+        out = torch.ops.aten._native_batch_norm_legit(x, None, None, True, 0.1,
+                                                      1e-5)[0]
+        loss = out.exp().sum()
+        loss.backward()
+        return [loss, x.grad]
+
+    same_under_dtr(step)
