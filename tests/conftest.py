@@ -1,4 +1,4 @@
-"""Shared test fixtures: the bit-exactness oracle of the DTR engine."""
+"""Shared test fixtures: the bit-exactness oracles of the DTR engine."""
 import copy
 import os
 
@@ -90,3 +90,33 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(before)
+
+
+def _same_under_dtr(step, setup=None):
+    """Run ``step`` plain, then under DTR with every storage evictable
+    (threshold and minimum size of 1 byte), each after ``manual_seed(0)``;
+    ``setup()``, if given, makes ``step``'s argument outside the scope.
+    Every tensor ``step`` returns must be equal, bit for bit (NaNs equal).
+
+    Returns:
+        DTRStats: What the engine did.
+    """
+    results, stats = [], None
+    for under_dtr in (False, True):
+        torch.manual_seed(0)
+        args = () if setup is None else (setup(), )
+        if under_dtr:
+            with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+                results.append(step(*args))
+            stats = engine.stats
+        else:
+            results.append(step(*args))
+    for a, b in zip(*results):
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    return stats
+
+
+@pytest.fixture
+def same_under_dtr():
+    """:func:`_same_under_dtr`: a step's tensors without and under DTR."""
+    return _same_under_dtr

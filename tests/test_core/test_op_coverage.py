@@ -1,30 +1,15 @@
 """Ops and tensor kinds at the edges of the engine's recipes (R4, R5).
 
 Each case runs a step without DTR and under the smallest threshold, and
-compares every returned tensor bit for bit (NaNs equal). Found by an
-adversarial search; each failed before its fix.
+compares every returned tensor bit for bit (the ``same_under_dtr`` fixture).
+Found by an adversarial search; each failed before its fix.
 """
 import pytest
 import torch
 import torch.nn as nn
 
-from mmdtr.dtr import DTR
 
-
-def same_under_dtr(step):
-    """Run ``step()`` (returning tensors) plain and under DTR with every
-    storage evictable; assert bit-identical results; return the stats."""
-    torch.manual_seed(0)
-    expected = step()
-    torch.manual_seed(0)
-    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
-        got = step()
-    for a, b in zip(expected, got):
-        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
-    return engine.stats
-
-
-def test_op_writing_two_out_tensors():
+def test_op_writing_two_out_tensors(same_under_dtr):
     # max(out=(values, indices)): one call writes two storages, and no
     # single recipe can rebuild either of them
     w = torch.randn(16, 16, requires_grad=True)
@@ -44,7 +29,7 @@ def test_op_writing_two_out_tensors():
     assert same_under_dtr(step).evictions > 0
 
 
-def test_positional_generator_is_replayed():
+def test_positional_generator_is_replayed(same_under_dtr):
     # poisson's Generator is positional in its schema
     x = torch.randn(8, 16, requires_grad=True)
 
@@ -61,7 +46,7 @@ def test_positional_generator_is_replayed():
     assert same_under_dtr(step).recomputations > 0
 
 
-def test_lstm_workspace_is_rebuilt_in_grad_mode():
+def test_lstm_workspace_is_rebuilt_in_grad_mode(same_under_dtr):
     # mkldnn_rnn_layer returns its workspace only in grad mode
     torch.manual_seed(0)
     lstm = nn.LSTM(8, 16)
@@ -76,7 +61,7 @@ def test_lstm_workspace_is_rebuilt_in_grad_mode():
     assert same_under_dtr(step).recomputations > 0
 
 
-def test_backward_under_autocast_replays_the_recorded_dtypes():
+def test_backward_under_autocast_replays_the_recorded_dtypes(same_under_dtr):
     # a gradient penalty's autograd.grad inside autocast: the recorded ops
     # are already cast, so a replay must not cast them again
     x = torch.randn(8, 16)
@@ -92,7 +77,7 @@ def test_backward_under_autocast_replays_the_recorded_dtypes():
 
 
 @pytest.mark.parametrize('bit', ['conj', 'neg'])
-def test_views_with_a_conjugate_or_negative_bit_are_held(bit):
+def test_views_with_a_conjugate_or_negative_bit_are_held(bit, same_under_dtr):
     x = torch.randn(8, 8, dtype=torch.cfloat)
     w = torch.randn(8, 8, dtype=torch.cfloat, requires_grad=True)
 
@@ -113,7 +98,7 @@ def test_views_with_a_conjugate_or_negative_bit_are_held(bit):
 
 
 @pytest.mark.filterwarnings('ignore:torch.quantize_per_tensor')
-def test_quantized_tensors_are_held():
+def test_quantized_tensors_are_held(same_under_dtr):
     x = torch.randn(8, 16)
     w = torch.randn(16, 16, requires_grad=True)
 
@@ -130,7 +115,7 @@ def test_quantized_tensors_are_held():
     same_under_dtr(step)
 
 
-def test_sparse_tensors_are_held():
+def test_sparse_tensors_are_held(same_under_dtr):
     adj = (torch.rand(8, 8) > 0.7).float().to_sparse()  # made outside
     x = torch.randn(8, 16)
     w = torch.randn(16, 16, requires_grad=True)
@@ -147,7 +132,7 @@ def test_sparse_tensors_are_held():
     same_under_dtr(step)
 
 
-def test_batch_norm_without_running_statistics():
+def test_batch_norm_without_running_statistics(same_under_dtr):
     x = torch.randn(4, 3, 5, 5, requires_grad=True)
 
     def step():

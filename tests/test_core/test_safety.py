@@ -199,49 +199,43 @@ def test_parameters_stepped_during_backward_stay_exact():
      dict(fused=True)],
     ids=['for_loop', 'foreach', 'fused'])
 def test_optimizer_step_in_scope_freezes_what_reads_the_weights(
-        optimizer_kwargs):
+        optimizer_kwargs, same_under_dtr):
     # foreach and fused steps write lists of tensors they do not return; an
     # evicted activation whose recipe reads a weight that autograd did not
     # save (its input needs no gradient) must be kept from before the step
-    def run(threshold):
-        torch.manual_seed(0)
+    def setup():
         lin = nn.Linear(64, 64)
-        a = torch.randn(128, 64, requires_grad=True)
         for p in lin.parameters():
             p.grad = torch.randn_like(p)
         opt = torch.optim.SGD(lin.parameters(), lr=0.5, **optimizer_kwargs)
-        with DTR(eviction_threshold=threshold, evictee_minimum_size=1) as e:
-            z = (lin(torch.randn(128, 64)) + a).sin()
-            opt.step()
-            z.sum().backward()
-        return a.grad, lin.weight.detach(), e.stats
+        return lin, opt, torch.randn(128, 64, requires_grad=True)
 
-    grad, weight, _ = run(2**62)
-    dtr_grad, dtr_weight, stats = run(1)
-    assert stats.evictions > 0
-    assert torch.equal(weight, dtr_weight)
-    assert torch.equal(grad, dtr_grad)
+    def step(made):
+        lin, opt, a = made
+        z = (lin(torch.randn(128, 64)) + a).sin()
+        opt.step()
+        z.sum().backward()
+        return [a.grad, lin.weight.detach()]
+
+    assert same_under_dtr(step, setup).evictions > 0
 
 
-def test_side_effect_write_to_a_record_keeps_its_readers_exact():
+def test_side_effect_write_to_a_record_keeps_its_readers_exact(same_under_dtr):
     # running statistics made in scope are records; batch norm writes them
     # without returning them, and what read them before must not see that
-    def run(threshold):
-        torch.manual_seed(0)
-        x = torch.randn(16, 8, 16, 16)
-        w = torch.randn(1, 8, 1, 1, requires_grad=True)
-        with DTR(eviction_threshold=threshold, evictee_minimum_size=1) as e:
-            mean, var = torch.zeros(8), torch.ones(8)
-            h = (x + mean.view(1, 8, 1, 1)) * w  # saves x + mean@0
-            y = torch.nn.functional.batch_norm(h, mean, var, training=True)
-            y.sin().sum().backward()
-        return w.grad, mean, e.stats
+    def setup():
+        return torch.randn(16, 8, 16, 16), torch.randn(
+            1, 8, 1, 1, requires_grad=True)
 
-    grad, mean, _ = run(2**62)
-    dtr_grad, dtr_mean, stats = run(1)
-    assert stats.recomputations > 0
-    assert torch.equal(mean, dtr_mean)
-    assert torch.equal(grad, dtr_grad)
+    def step(made):
+        x, w = made
+        mean, var = torch.zeros(8), torch.ones(8)
+        h = (x + mean.view(1, 8, 1, 1)) * w  # saves x + mean@0
+        y = torch.nn.functional.batch_norm(h, mean, var, training=True)
+        y.sin().sum().backward()
+        return [w.grad, mean]
+
+    assert same_under_dtr(step, setup).recomputations > 0
 
 
 def test_exception_in_scope_leaves_nothing_behind():
