@@ -125,30 +125,22 @@ def test_init_cpu_dist_errors(monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize('lr', ['0.1', "'broken'"], ids=['ok', 'failing'])
+@pytest.mark.parametrize('lr', [0.1, 'broken'], ids=['ok', 'failing'])
 def test_train_tool_destroys_its_process_group(single_rank_env, tmp_path,
-                                               train_tool, lr):
+                                               train_tool, toy_runner_cfg, lr):
     # a process leaving with its gloo group alive can abort at exit
     # (SIGABRT), also when training failed
-    config = tmp_path / 'one_rank_cfg.py'
-    config.write_text(f"""
-model = dict(type='LinearToyModel')
-train_dataloader = dict(
-    dataset=dict(type='RangeToyDataset'),
-    sampler=dict(type='DefaultSampler', shuffle=False),
-    batch_size=2,
-    num_workers=0,
-    collate_fn=dict(type='default_collate'))
-train_cfg = dict(by_epoch=False, max_iters=2)
-optim_wrapper = dict(optimizer=dict(type='SGD', lr={lr}))
-log_level = 'WARNING'
-""")
-    argv = [
-        str(config), '--work-dir',
-        str(tmp_path / 'work'), '--launcher', 'pytorch', '--cfg-options',
-        f'experiment_name=dist_{uuid.uuid4().hex}'
-    ]
-    if lr == '0.1':
+    config = str(tmp_path / 'one_rank_cfg.py')
+    toy_runner_cfg(
+        tmp_path / 'work',
+        'LinearToyModel',
+        'RangeToyDataset',
+        'dist',
+        batch_size=2,
+        optimizer=dict(type='SGD', lr=lr),
+        log_level='WARNING').dump(config)
+    argv = [config, '--launcher', 'pytorch']
+    if lr == 0.1:
         train_tool.main(argv)
     else:  # the optimizer is built in runner.train(), after the group
         with pytest.raises(TypeError):
