@@ -25,8 +25,8 @@ class _DTRDispatchMode(TorchDispatchMode):
         self.state = state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t not in _PLAIN for t in types):
-            return func(*args, **(kwargs or {}))  # subclasses: not ours
+        if any(t not in _PLAIN for t in types):  # subclasses: kept as is
+            return self.state.on_subclass_op(func, args, kwargs or {})
         return self.state.on_op(func, args, kwargs or {})
 
 

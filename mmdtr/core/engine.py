@@ -53,6 +53,15 @@ def _tensors_in(values) -> list:
     return [t for t in tensors if t.layout is _STRIDED]
 
 
+def _has_storage(t) -> bool:
+    """Whether ``t`` has a real storage (wrapper subclasses have none)."""
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _input_storages(args, kwargs) -> set:
     """Addresses of the storages of a call's tensor arguments."""
     return {
@@ -226,6 +235,25 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             self.evict_until()
         elif self.limit != self.threshold and memory <= self.threshold:
             self.limit = self.threshold  # reachable again
+        return out
+
+    def on_subclass_op(self, func, args, kwargs):
+        """An op on tensor subclasses: run it as it is (nothing it makes is
+        recorded, so it is kept), but a write to a storage the engine knows
+        is seen: readers are frozen first and no recipe replays it (R5, R7).
+        """
+        info = op_info(func)
+        writes = ()
+        if info.written_args or info.side_effect_args:
+            writes = [
+                w for w in self._writes(info, args, kwargs)[0]
+                if _has_storage(w)
+            ]
+            for w in writes:
+                self._before_write(w)
+        out = func(*args, **kwargs)
+        for w in writes:
+            self._after_write(w, None, info)
         return out
 
     @staticmethod

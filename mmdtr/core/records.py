@@ -26,12 +26,16 @@ def view_of(storage, meta: tuple, device) -> torch.Tensor:
                                                   meta[2])
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def managed(t: torch.Tensor) -> bool:
-    """Whether the engine may record and evict ``t``'s storage: strided,
-    not quantized, and without a conjugate or negative bit (a rebuilt view
-    carries neither bits nor a quantizer); other tensors are held (R4)."""
-    return t.layout is torch.strided and not (t.is_quantized or t.is_conj()
-                                              or t.is_neg())
+    """Whether the engine may record and evict ``t``'s storage: a plain
+    tensor (a subclass's type would be lost), strided, not quantized, and
+    without a conjugate or negative bit (a rebuilt view carries neither bits
+    nor a quantizer); other tensors are held (R4)."""
+    return type(t) in _PLAIN and t.layout is torch.strided and not (
+        t.is_quantized or t.is_conj() or t.is_neg())
 
 
 def detached_alias(t: torch.Tensor) -> torch.Tensor:

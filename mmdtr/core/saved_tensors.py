@@ -22,17 +22,37 @@ class SavedHandle:
         self.state.release(self.record)
 
 
+class HeldSaved:
+    """A saved tensor the engine does not manage, kept as it is with the
+    version autograd would check (hooks turn autograd's own check off)."""
+    __slots__ = ('tensor', 'version')
+
+    def __init__(self, tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+
+def _modified_error(shape, saved, now):
+    # autograd's own words, so that code catching it sees the same error
+    return RuntimeError(
+        'one of the variables needed for gradient computation has been '
+        f'modified by an inplace operation: a tensor of shape {shape} is at '
+        f'version {now}; expected version {saved} instead (mmdtr: saved '
+        'for backward under DTR).')
+
+
 class SavedTensors:
     """Packs saved tensors into handles and unpacks them, rebuilding
     evicted storages; mixed into ``EngineState``."""
 
     def pack(self, t):
-        if self.closed or not managed(t):
+        if self.closed:
             return t
+        if not managed(t):
+            return HeldSaved(t)
         rec = self.records.get(t.untyped_storage()._cdata)
         if rec is None or rec.nbytes < self.min_size \
                 or not rec.recomputable(rec.version):
-            return t
+            return HeldSaved(t)
         key = view_meta(t)
         if key not in rec.views:
             rec.views[key] = detached_alias(t)
@@ -42,23 +62,32 @@ class SavedTensors:
         return SavedHandle(self, rec, key, rec.version)
 
     def unpack(self, handle):
+        if isinstance(handle, HeldSaved):
+            t = handle.tensor
+            if t._version != handle.version:
+                raise _modified_error(
+                    tuple(t.shape), handle.version, t._version)
+            return t
         if not isinstance(handle, SavedHandle):
             return handle
         rec = handle.record
         rec.last_access = self.clock
-        if rec.version == handle.version:
-            t = rec.views.get(handle.key)
-            if t is not None:
-                return t
-            storage = rec.storage()
-            if storage is not None:
-                t = rec.views[handle.key] = view_of(storage, handle.key,
-                                                    rec.device)
-                return t
+        if rec.version != handle.version:
+            # written since it was saved: eager autograd refuses too (a
+            # write through .data or detach() it would allow is refused)
+            raise _modified_error(handle.key[1], handle.version, rec.version)
+        t = rec.views.get(handle.key)
+        if t is not None:
+            return t
+        storage = rec.storage()
+        if storage is not None:
+            t = rec.views[handle.key] = view_of(storage, handle.key,
+                                                rec.device)
+            return t
         start = time.perf_counter()
         storage = self.materialize(rec, handle.version)
         t = view_of(storage, handle.key, rec.device)
-        if rec.version == handle.version and rec.handles:
+        if rec.handles:
             rec.views[handle.key] = t
             self._add_candidate(rec)
         self.remat_seconds += time.perf_counter() - start

@@ -52,12 +52,13 @@ class Writes:
             storage = self.materialize(rec, rec.version)
         else:
             return  # dead and unrecomputable: nothing can still need it
-        rec.keepalive, rec.lo, rec.hi = storage, None, None
+        rec.keepalive = storage  # pinned from here on
         if rec.cand_index >= 0:
             self._drop_candidate(rec)
         for user in list(rec.users or ()):
-            if user.lo is not None:
-                self._freeze(user)
+            if user.lo is not None:  # may rebuild from an older version
+                self._freeze(user)  # of rec: its range goes last
+        rec.lo = rec.hi = None
 
     @staticmethod
     def _unneeded_from(rec):

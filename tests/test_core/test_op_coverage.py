@@ -1,4 +1,4 @@
-"""Ops and tensor kinds at the edges of the engine's recipes (R4, R5).
+"""Ops, tensor kinds and writes at the edges of the engine (R4, R5, R7, R10).
 
 Each case runs a step without DTR and under the smallest threshold, and
 compares every returned tensor bit for bit (the ``same_under_dtr`` fixture).
@@ -7,6 +7,9 @@ Found by an adversarial search; each failed before its fix.
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from mmdtr.dtr import DTR
 
 
 def test_op_writing_two_out_tensors(same_under_dtr):
@@ -144,3 +147,83 @@ def test_batch_norm_without_running_statistics(same_under_dtr):
         return [loss, x.grad]
 
     same_under_dtr(step)
+
+
+def test_freezing_keeps_older_versions_for_the_readers(same_under_dtr):
+    # a's in-place write read an external leaf; writing that leaf freezes a
+    # and its readers, and b read a's OLDER version: it must still rebuild
+    def setup():
+        return (torch.randn(64, 64), torch.randn(64, 64, requires_grad=True),
+                torch.randn(64, 64, requires_grad=True))
+
+    def step(made):
+        x, w, bias = made
+        a = x.mm(w)
+        b = a * 2  # reads a at version 0
+        c = b.sin()  # saves b
+        a.add_(bias)  # a's write reads bias
+        d = a.cos()
+        del a, b
+        e = c.exp()
+        with torch.no_grad():
+            bias.add_(1)  # legal: nothing saved bias
+        (e.sum() + d.sum()).backward()
+        return [w.grad]
+
+    assert same_under_dtr(step, setup).recomputations > 0
+
+
+class _PassThrough(torch.Tensor):
+    """A tensor subclass that runs every op on its plain tensors."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+
+        def plain(a):
+            if isinstance(a, _PassThrough):
+                with torch._C._DisableTorchDispatch():
+                    return a.as_subclass(torch.Tensor)
+            return a
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
+
+
+def test_write_through_a_subclass_is_seen(same_under_dtr):
+
+    def setup():
+        return torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
+
+    def step(made):
+        x, w = made
+        h = x @ w
+        b = h * 3  # reads h at version 0
+        c = b.sin()  # saves b
+        with torch.no_grad():
+            h.as_subclass(_PassThrough).add_(1)
+        del b
+        (c.exp() + h.sum()).sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step, setup).evictions > 0
+
+
+@pytest.mark.parametrize('written', ['parameter', 'activation', 'data'])
+def test_saved_tensor_written_before_backward_raises(written):
+    # saved-tensor hooks turn autograd's version check off; the engine does
+    # it instead, at any threshold (and refuses a write through .data,
+    # which eager autograd would allow, rather than rebuild the old value)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    with DTR(eviction_threshold=2**40, evictee_minimum_size=1):
+        if written == 'parameter':  # optimizer.step() before backward()
+            y = (x * w).sum()  # mul saves w
+            with torch.no_grad():
+                w.add_(1.0)
+        else:
+            a = x.mm(w)
+            y = a.sin().sum()  # sin saves a
+            (a.data if written == 'data' else a).mul_(2)
+        with pytest.raises(RuntimeError, match='modified by an inplace'):
+            y.backward()
