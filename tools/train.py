@@ -16,7 +16,8 @@ from mmengine.config import Config, DictAction
 from mmengine.registry import RUNNERS
 from mmengine.utils import import_modules_from_strings
 
-from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
+                                               translate_memory_keys)
 from mmdtr.adapters.distributed import close_dist
 from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
 from mmdtr.errors import MmdtrError
@@ -83,6 +84,11 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
     MMEngine imports ``custom_imports`` only when it reads the config file,
     so imports given through ``--cfg-options`` are imported here.
     """
+    for name in MEMORY_KEY_TRANSLATORS:
+        # `dtr = None` in a file means off; `dtr.x=...` turns it on
+        if name in cfg and cfg[name] is None and any(
+                key.startswith(f'{name}.') for key in options):
+            cfg[name] = {}
     try:
         cfg.merge_from_dict(options)
     except (TypeError, KeyError, IndexError, ValueError) as e:

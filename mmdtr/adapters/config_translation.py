@@ -65,15 +65,30 @@ def translate_memory_keys(cfg: Config) -> Config:
     if cfg.get(_TRANSLATED_MARK, False):
         return cfg
     hooks = []
+    custom_hooks = list(cfg.get('custom_hooks', None) or [])
     for name, translate in MEMORY_KEY_TRANSLATORS.items():
         value = cfg.get(name, None)
         if value is None:
             continue
-        hooks.append(translate(value))  # raises before anything changes
+        hook = translate(value)  # raises before anything changes
+        for i, other in enumerate(custom_hooks):
+            if _hook_name(other) == _hook_name(hook):
+                raise MmdtrError(
+                    f'{name}={value!r} and custom_hooks[{i}]={other!r} both '
+                    f'configure {_hook_name(hook)}.',
+                    hint=f'configure it once: keep the {name} key or the '
+                    'hook, not both.')
+        hooks.append(hook)
     out = copy.deepcopy(cfg)
     for name in MEMORY_KEY_TRANSLATORS:
         out.pop(name, None)
-    custom_hooks = list(out.get('custom_hooks', None) or [])
     out.custom_hooks = custom_hooks + hooks
     out[_TRANSLATED_MARK] = True
     return out
+
+
+def _hook_name(hook_cfg) -> str:
+    """A hook config's type, without its registry scope (``'DTRHook'``)."""
+    hook_type = hook_cfg.get('type', '') if isinstance(hook_cfg, dict) else ''
+    hook_type = getattr(hook_type, '__name__', hook_type)
+    return str(hook_type).split('.')[-1]

@@ -201,6 +201,30 @@ def test_cfg_options_give_a_size_string(train_tool):
     assert parse_size(hook.settings['eviction_threshold']) == 3 * 2**30
 
 
+def test_cfg_options_turn_on_a_key_the_file_sets_to_none(train_tool, tmp_path):
+    config = tmp_path / 'off.py'
+    config.write_text(f"_base_ = ['{REPO}/configs/gpt_synthetic.py']\n"
+                      'dtr = None\n')
+    args = train_tool.parse_args(
+        [str(config), '--cfg-options', 'dtr.eviction_threshold=3GB'])
+    cfg = train_tool.build_cfg(args)
+    assert cfg.custom_hooks[-1] == dict(
+        type='mmdtr.DTRHook', eviction_threshold='3GB')
+
+
+@pytest.mark.parametrize('hook_type', ['mmdtr.DTRHook', 'DTRHook', DTRHook])
+def test_key_and_hook_together_fail_before_training(hook_type, make_cfg,
+                                                    tmp_path):
+    cfg = make_cfg(
+        tmp_path,
+        dtr=dict(eviction_threshold='1GB'),
+        custom_hooks=[dict(type=hook_type, eviction_threshold='2GB')])
+    with pytest.raises(
+            MmdtrError, match=r'custom_hooks\[0\].*both '
+            'configure DTRHook'):
+        translate_memory_keys(cfg)
+
+
 def test_bad_value_fails_before_training(train_tool, tmp_path, capsys,
                                          make_cfg):
     config = osp.join(REPO, 'configs', 'gpt_synthetic.py')
