@@ -181,6 +181,7 @@ def main(argv=None):
     except BaseException:
         close_dist(wait=False)  # before the interpreter exits: see there
         raise
+    del runner  # its DDP wrapper goes before the group (see close_dist)
     close_dist()
 
 

@@ -8,6 +8,7 @@ instead when no accelerator is available; with CUDA, MMEngine's own path
 (nccl, ``MMDistributedDataParallel``) is kept.
 """
 import datetime
+import gc
 import os
 import subprocess
 from typing import Optional
@@ -116,6 +117,11 @@ def close_dist(wait: bool = True) -> None:
             collective timeout. Defaults to True.
     """
     if torch_dist.is_available() and torch_dist.is_initialized():
+        # DDP wrappers nothing refers to any more go first, while the group
+        # still holds its own reference: a reducer dropping the last one
+        # destroys the gloo group from a finalizer that holds the GIL while
+        # gloo's thread may wait for it (a deadlock seen in torch 2.13)
+        gc.collect()
         if wait:
             torch_dist.barrier()
         torch_dist.destroy_process_group()

@@ -18,12 +18,13 @@ import uuid
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 from mmengine.config import Config
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
+
+from mmdtr.adapters.distributed import close_dist
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOY_DIR = osp.dirname(osp.abspath(__file__))
@@ -78,8 +79,7 @@ def single_rank_env(monkeypatch):
             MASTER_PORT=str(_free_port())).items():
         monkeypatch.setenv(key, value)
     yield
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
+    close_dist()
     os.environ.clear()
     os.environ.update(saved)
 

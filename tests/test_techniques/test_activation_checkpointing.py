@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmdtr.adapters.distributed import close_dist
 from mmdtr.errors import MmdtrError
 from mmdtr.techniques.activation_checkpointing import (
     apply_activation_checkpointing, is_checkpointed, normalize_policy)
@@ -326,11 +327,12 @@ def _ddp_worker(rank, world_size, tmp):
             F.cross_entropy(ddp(x), torch.tensor([0, 1])).backward()
         results.append([p.grad
                         for p in model.parameters()] + list(model.buffers()))
+        del ddp  # before the group: see close_dist
     same = all(
         torch.equal(a, b) for other in results[1:]
         for a, b in zip(results[0], other))
     torch.save(same, os.path.join(tmp, f'{rank}.pt'))
-    dist.destroy_process_group()
+    close_dist()
 
 
 def test_ddp_gradients_bit_identical():
