@@ -221,9 +221,9 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                     self._link(rec, node)
         # a node replays one written storage (SelfRef); an op writing two
         # or more (out=(values, indices)) cannot rebuild either (R5)
-        mutation = node if replayable and len(
+        mutation = node if replayable and (len(declared) < 2 or len(
             {w.untyped_storage()._cdata
-             for w in declared}) == 1 else None
+             for w in declared}) == 1) else None
         for w in declared:
             self._after_write(w, mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
