@@ -400,7 +400,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 return RecordRef(rec, rec.version, view_meta(t))
             return HeldRef(detached_alias(t), rec, rec.version)
         if t.grad_fn is None:  # a leaf: holding it makes no cycle
-            return HeldRef(t, None, t._version)
+            return HeldRef(t, None, t._version, cdata)
         # below autograd, detach() gets a fresh version counter: no check
         return HeldRef(detached_alias(t), None, None)
 

@@ -58,12 +58,15 @@ class HeldRef:
     ``version`` is checked on replay against the record's version (storages
     allocated in scope) or the tensor's ``_version`` (external leaves);
     ``None`` skips the check (external non-leaves, held as detached aliases
-    to avoid reference cycles through their ``grad_fn``).
+    to avoid reference cycles through their ``grad_fn``). ``cdata``, for
+    external leaves, is the storage they had: ``leaf.data = other`` swaps it
+    without a version bump.
     """
-    __slots__ = ('tensor', 'record', 'version')
+    __slots__ = ('tensor', 'record', 'version', 'cdata')
 
-    def __init__(self, tensor, record, version):
+    def __init__(self, tensor, record, version, cdata=None):
         self.tensor, self.record, self.version = tensor, record, version
+        self.cdata = cdata
 
     def current_version(self):
         if self.record is not None:

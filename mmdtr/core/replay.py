@@ -124,6 +124,13 @@ class Replayer:
                     f'version {a.version} to {a.current_version()} outside '
                     "the engine's sight.", 'Please report it with the model.')
             t = a.tensor
+            if a.cdata is not None and t.untyped_storage()._cdata != a.cdata:
+                raise MmdtrError(
+                    f'a tensor of shape {tuple(t.shape)} that DTR may still '
+                    'need to recompute from got another storage '
+                    '(tensor.data = ...) during the step.',
+                    'write into it in place (tensor.data.copy_(...)), or '
+                    'swap it outside the DTR scope.')
             return detached_alias(t) if t.requires_grad else t
         if isinstance(a, SelfRef):
             return view_of(self_storage, a.meta, self_storage.device)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
 
 
 def test_op_writing_two_out_tensors(same_under_dtr):
@@ -227,3 +228,16 @@ def test_saved_tensor_written_before_backward_raises(written):
             (a.data if written == 'data' else a).mul_(2)
         with pytest.raises(RuntimeError, match='modified by an inplace'):
             y.backward()
+
+
+def test_leaf_storage_swapped_mid_step_raises():
+    # `p.data = t` moves no version counter: a rebuild would read the new
+    # storage, so the engine refuses it instead (a clear error, never a
+    # silently different gradient)
+    x = torch.randn(8, 16)
+    b = nn.Parameter(torch.randn(16))
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        h = (x + b).exp().sin()  # exp's output is rebuilt from add(x, b)
+        b.data = torch.zeros(16)
+        with pytest.raises(MmdtrError, match=r'tensor\.data = \.\.\.'):
+            h.sum().backward()
