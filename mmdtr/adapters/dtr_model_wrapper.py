@@ -8,8 +8,8 @@ and ``zero_grad`` run without it (and an iteration that only accumulates
 gradients closes it too). With several optimizers (an ``OptimWrapperDict``)
 it spans the whole ``train_step``. An exception anywhere in the iteration
 closes it as well: no dispatch mode or saved-tensor hooks stay on the
-thread. The
-engine's statistics of each iteration go to MMEngine's ``MessageHub``.
+thread. The engine's statistics of each iteration go to MMEngine's
+``MessageHub``.
 
 :class:`DTRDistributedDataParallel` is the DDP wrapper whose ``train_step``
 runs a :class:`DTRTrainStep`: one engine per rank, around DDP's forward and
