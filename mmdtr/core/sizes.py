@@ -1,5 +1,6 @@
 """Parse memory sizes given as ints or strings such as ``'5GB'``."""
 import re
+from fractions import Fraction
 from typing import Optional, Union
 
 from mmdtr.errors import MmdtrError
@@ -30,7 +31,8 @@ def parse_size(value: Union[int, str, None],
         int | None: The number of bytes.
 
     Raises:
-        MmdtrError: If the value is of another type or form, or negative.
+        MmdtrError: If the value is of another type or form, negative, or
+            a string naming more than 0 but less than 1 byte.
     """
     if value is None and allow_none:
         return None
@@ -44,8 +46,14 @@ def parse_size(value: Union[int, str, None],
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match and match.group(2).lower() in _UNITS:
-            number = float(match.group(1))
-            return int(number * _UNITS[match.group(2).lower()])
+            # exact: no float overflow on long digit strings, no rounding
+            exact = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
+            if 0 < exact < 1:
+                raise MmdtrError(
+                    f'{key}={value!r} is less than one byte.',
+                    f'Give {ACCEPTED}; 0 means "no threshold" where a '
+                    'threshold may be left out.')
+            return int(exact)  # fractions of a byte are dropped
     raise MmdtrError(f'{key}={value!r} is not a size.', f'Give {ACCEPTED}.')
 
 

@@ -1,0 +1,43 @@
+"""Sizes given as ints or strings (mmdtr/core/sizes.py)."""
+import pytest
+
+from mmdtr.core.sizes import format_size, parse_size
+from mmdtr.errors import MmdtrError
+
+
+@pytest.mark.parametrize('value, nbytes', [
+    (0, 0),
+    (123, 123),
+    ('5GB', 5 * 2**30),
+    ('512MiB', 512 * 2**20),
+    ('1.5 GB', 3 * 2**29),
+    (' 5gb ', 5 * 2**30),
+    ('0.3MB', 314572),  # fractions of a byte are dropped
+    ('0', 0),
+    ('9' * 400 + 'GB', int('9' * 400) * 2**30),  # exact, no float overflow
+])
+def test_accepted_sizes(value, nbytes):
+    assert parse_size(value, 'eviction_threshold') == nbytes
+
+
+@pytest.mark.parametrize('value, match', [
+    ('0.5B', 'less than one byte'),
+    ('0.9', 'less than one byte'),
+    (-1, 'negative'),
+    (True, 'is not a size'),
+    (1.5, 'is not a size'),
+    ('1e3MB', 'is not a size'),
+    ('5 XB', 'is not a size'),
+    ('-1GB', 'is not a size'),
+    ('', 'is not a size'),
+])
+def test_rejected_sizes_name_the_key_and_value(value, match):
+    with pytest.raises(MmdtrError, match=match) as info:
+        parse_size(value, 'eviction_threshold')
+    assert f'eviction_threshold={value!r}' in str(info.value)
+    assert 'Hint:' in str(info.value)
+
+
+def test_format_size():
+    assert format_size(3 * 2**29) == '1.50 GiB'
+    assert format_size(512) == '512 B'
