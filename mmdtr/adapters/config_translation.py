@@ -10,6 +10,11 @@ A translator validates the value (type and shape; names that need the model
 are checked by the hook before training starts) and returns the hook config.
 All keys are validated before anything is changed, so nothing is
 half-applied.
+
+The translated copy keeps the config as written in an attribute (not a
+key), :data:`SOURCE_ATTR`, which :class:`~mmdtr.adapters.runner.MMDTRRunner`
+dumps to the work dir: a run restarted from the dumped config translates the
+keys again, and ``--cfg-options`` on them still take effect.
 """
 import copy
 from typing import Callable, Dict
@@ -20,7 +25,9 @@ from mmdtr.errors import MmdtrError
 
 #: key name -> translator ``fn(value) -> hook cfg dict``
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
-_TRANSLATED_MARK = '_mmdtr_translated'
+#: attribute of a translated Config (not a key: never dumped or merged)
+#: holding the config as written, with mmdtr's keys
+SOURCE_ATTR = '_mmdtr_source'
 
 
 def memory_key(name: str) -> Callable:
@@ -50,8 +57,8 @@ def memory_key(name: str) -> Callable:
 def translate_memory_keys(cfg: Config) -> Config:
     """Return a copy of ``cfg`` with mmdtr's memory keys turned into hooks.
 
-    Keys that are absent or ``None`` are dropped and mean "off". Translating
-    a config twice is a no-op the second time.
+    Keys that are absent or ``None`` are dropped and mean "off". The keys
+    are gone from the copy, so translating it again changes nothing.
 
     Args:
         cfg (Config): The config, as loaded by ``Config.fromfile``.
@@ -62,8 +69,6 @@ def translate_memory_keys(cfg: Config) -> Config:
     Raises:
         MmdtrError: If any key has a bad value; nothing is changed then.
     """
-    if cfg.get(_TRANSLATED_MARK, False):
-        return cfg
     hooks = []
     custom_hooks = list(cfg.get('custom_hooks', None) or [])
     for name, translate in MEMORY_KEY_TRANSLATORS.items():
@@ -83,7 +88,8 @@ def translate_memory_keys(cfg: Config) -> Config:
     for name in MEMORY_KEY_TRANSLATORS:
         out.pop(name, None)
     out.custom_hooks = custom_hooks + hooks
-    out[_TRANSLATED_MARK] = True
+    source = getattr(cfg, SOURCE_ATTR, None) if not hooks else None
+    object.__setattr__(out, SOURCE_ATTR, source or copy.deepcopy(cfg))
     return out
 
 

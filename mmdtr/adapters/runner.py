@@ -18,12 +18,13 @@ config has ``runner_type``, with ``RUNNERS.build(cfg)``, which calls
 :meth:`MMDTRRunner.from_cfg`; translation is idempotent, so a config that
 ``tools/train.py`` already translated is not translated again.
 """
+import os.path as osp
 from typing import Dict, Optional, Union
 
 from mmengine.config import Config, ConfigDict
 from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
                              is_npu_available)
-from mmengine.dist import is_distributed
+from mmengine.dist import is_distributed, master_only
 from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.runner import Runner
@@ -33,7 +34,7 @@ from torch import nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
-from .config_translation import translate_memory_keys
+from .config_translation import SOURCE_ATTR, translate_memory_keys
 from .distributed import init_cpu_dist
 
 
@@ -124,6 +125,22 @@ class MMDTRRunner(Runner):
         cfg = translate_memory_keys(cfg)
         check_amp_available(cfg.get('optim_wrapper'))
         return super().from_cfg(cfg)
+
+    @master_only
+    def dump_config(self) -> None:
+        """Dump the config as written, with mmdtr's keys, to ``work_dir``.
+
+        The runner trains with the translated config (the keys turned into
+        hooks); dumping that would make a restart from the dumped file
+        ignore ``--cfg-options`` on the keys, or refuse them as configured
+        twice.
+        """
+        source = getattr(self.cfg, SOURCE_ATTR, None)
+        if source is None:
+            return super().dump_config()
+        filename = osp.basename(source.filename) if source.filename \
+            is not None else f'{self.timestamp}.py'
+        source.dump(osp.join(self.work_dir, filename))
 
     def setup_env(self, env_cfg: Dict) -> None:
         """Set up the environment; on CPU, initialise gloo first.

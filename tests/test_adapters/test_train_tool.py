@@ -138,3 +138,26 @@ def test_builds_mmdtr_runner_or_runner_type(train_tool, toy_config, tmp_path):
     cfg.runner_type = 'Runner'
     runner = train_tool.build_runner(cfg)
     assert type(runner).__name__ == 'Runner'
+
+
+def test_dumped_config_keeps_the_keys_as_written(train_tool, toy_config,
+                                                 tmp_path):
+    # the runner trains with the keys turned into hooks but dumps the config
+    # as written: a restart from the dump honours --cfg-options on the keys
+    work_dir = tmp_path / 'wd'
+    cfg = build(train_tool, toy_config, '--work-dir', str(work_dir),
+                '--cfg-options', 'custom_imports.imports=[toy_classifier]',
+                'log_level=WARNING', 'dtr.eviction_threshold=64KB')
+    assert cfg.custom_hooks[-1].type == 'mmdtr.DTRHook'
+    train_tool.build_runner(cfg)
+    dumped = work_dir / 'toy_cfg.py'
+    text = dumped.read_text()
+    assert "eviction_threshold='64KB'" in text and 'DTRHook' not in text
+    cfg = build(train_tool, str(dumped), '--cfg-options',
+                'dtr.eviction_threshold=3GB')
+    assert cfg.custom_hooks == [
+        dict(type='mmdtr.DTRHook', eviction_threshold='3GB')
+    ]
+    with pytest.raises(MmdtrError, match="'3XB' is not a size"):
+        build(train_tool, str(dumped), '--cfg-options',
+              'dtr.eviction_threshold=3XB')
