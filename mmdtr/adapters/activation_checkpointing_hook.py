@@ -20,7 +20,7 @@ _ACCEPTED = ("a module name or glob pattern (str), a list of them, or "
              f"{sorted(POLICIES)} or a list of aten op names>)")
 
 
-@memory_key(KEY)
+@memory_key(KEY, hook='ActivationCheckpointingHook')
 def translate_activation_checkpointing(value) -> dict:
     """Validate the ``activation_checkpointing`` value and build the hook.
 

@@ -17,7 +17,8 @@ dumps to the work dir: a run restarted from the dumped config translates the
 keys again, and ``--cfg-options`` on them still take effect.
 """
 import copy
-from typing import Callable, Dict
+import difflib
+from typing import Callable, Dict, List
 
 from mmengine.config import Config
 
@@ -25,22 +26,29 @@ from mmdtr.errors import MmdtrError
 
 #: key name -> translator ``fn(value) -> hook cfg dict``
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
+#: key name -> name of the hook class its translator configures
+MEMORY_KEY_HOOKS: Dict[str, str] = {}
+#: checks ``fn(cfg, custom_hooks)`` of the whole translated config
+CONFIG_CHECKS: List[Callable[[object, list], None]] = []
 #: attribute of a translated Config (not a key: never dumped or merged)
 #: holding the config as written, with mmdtr's keys
 SOURCE_ATTR = '_mmdtr_source'
 
 
-def memory_key(name: str) -> Callable:
+def memory_key(name: str, hook: str) -> Callable:
     """Register the translator of config key ``name``.
 
     Args:
         name (str): The top-level config key, e.g. ``'dtr'``.
+        hook (str): The name of the hook class it configures, e.g.
+            ``'DTRHook'``: the key and that hook in ``custom_hooks``, or two
+            such hooks, are refused together.
 
     Returns:
         Callable: A decorator taking ``fn(value) -> dict`` (the hook config).
 
     Examples:
-        >>> @memory_key('my_key')
+        >>> @memory_key('my_key', hook='MyHook')
         ... def _translate(value):
         ...     return dict(type='mmdtr.MyHook', option=value)
     """
@@ -49,9 +57,27 @@ def memory_key(name: str) -> Callable:
         if name in MEMORY_KEY_TRANSLATORS:
             raise MmdtrError(f'config key {name!r} is registered twice.')
         MEMORY_KEY_TRANSLATORS[name] = fn
+        MEMORY_KEY_HOOKS[name] = hook
         return fn
 
     return register
+
+
+def config_check(fn: Callable[[object, list], None]) -> Callable:
+    """Register a check of the whole config, run when it is translated.
+
+    The check gets the config and its final ``custom_hooks`` (the keys'
+    hooks included) and raises :class:`MmdtrError` on a combination that
+    cannot work; it changes nothing.
+
+    Examples:
+        >>> @config_check
+        ... def _check(cfg, custom_hooks):
+        ...     if cfg.get('compile') and custom_hooks:
+        ...         raise MmdtrError('...', hint='...')
+    """
+    CONFIG_CHECKS.append(fn)
+    return fn
 
 
 def translate_memory_keys(cfg: Config) -> Config:
@@ -69,6 +95,7 @@ def translate_memory_keys(cfg: Config) -> Config:
     Raises:
         MmdtrError: If any key has a bad value; nothing is changed then.
     """
+    _refuse_near_misses(cfg)
     hooks = []
     custom_hooks = list(cfg.get('custom_hooks', None) or [])
     for name, translate in MEMORY_KEY_TRANSLATORS.items():
@@ -77,13 +104,16 @@ def translate_memory_keys(cfg: Config) -> Config:
             continue
         hook = translate(value)  # raises before anything changes
         for i, other in enumerate(custom_hooks):
-            if _hook_name(other) == _hook_name(hook):
+            if hook_name(other) == hook_name(hook):
                 raise MmdtrError(
                     f'{name}={value!r} and custom_hooks[{i}]={other!r} both '
-                    f'configure {_hook_name(hook)}.',
+                    f'configure {hook_name(hook)}.',
                     hint=f'configure it once: keep the {name} key or the '
                     'hook, not both.')
         hooks.append(hook)
+    _refuse_repeated_hooks(custom_hooks)
+    for check in CONFIG_CHECKS:
+        check(cfg, custom_hooks + hooks)
     out = copy.deepcopy(cfg)
     for name in MEMORY_KEY_TRANSLATORS:
         out.pop(name, None)
@@ -93,7 +123,44 @@ def translate_memory_keys(cfg: Config) -> Config:
     return out
 
 
-def _hook_name(hook_cfg) -> str:
+def _refuse_repeated_hooks(custom_hooks: list) -> None:
+    """Two of the keys' hooks of one class in ``custom_hooks``: refused."""
+    seen = {}
+    for i, hook in enumerate(custom_hooks):
+        name = hook_name(hook)
+        if name in MEMORY_KEY_HOOKS.values():
+            if name in seen:
+                raise MmdtrError(
+                    f'custom_hooks[{seen[name]}] and custom_hooks[{i}] both '
+                    f'configure {name}: {custom_hooks[seen[name]]!r} and '
+                    f'{hook!r}.',
+                    hint='configure it once.')
+            seen[name] = i
+
+
+def _refuse_near_misses(cfg) -> None:
+    """A top-level key that looks like a misspelt mmdtr key, while the key
+    itself is absent (``DTR``, ``dtr_cfg``, ``activation_checkpoint``),
+    would be ignored silently: refused."""
+    for key in cfg.keys():
+        if key in MEMORY_KEY_TRANSLATORS or key.startswith('_'):
+            continue
+        lowered = key.lower()
+        for name in MEMORY_KEY_TRANSLATORS:
+            if name in cfg:
+                continue
+            if lowered == name or lowered.startswith(name + '_') or \
+                    difflib.SequenceMatcher(None, lowered,
+                                            name).ratio() >= 0.8:
+                raise MmdtrError(
+                    f'{key}={cfg[key]!r}: is it the {name!r} key? mmdtr '
+                    f'reads {sorted(MEMORY_KEY_TRANSLATORS)} and would '
+                    'ignore it.',
+                    hint=f'rename it to {name!r}, or, if it is not meant '
+                    'for mmdtr, to a name that does not resemble it.')
+
+
+def hook_name(hook_cfg) -> str:
     """A hook config's type, without its registry scope (``'DTRHook'``)."""
     hook_type = hook_cfg.get('type', '') if isinstance(hook_cfg, dict) else ''
     hook_type = getattr(hook_type, '__name__', hook_type)

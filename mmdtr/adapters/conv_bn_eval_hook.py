@@ -52,7 +52,7 @@ def mmcv_conv_module_support(module: nn.Module) -> bool:
     return module.efficient_conv_bn_eval_forward is not None
 
 
-@memory_key(KEY)
+@memory_key(KEY, hook='EfficientConvBnEvalHook')
 def translate_efficient_conv_bn_eval(value) -> dict:
     """Validate the ``efficient_conv_bn_eval`` value and build the hook.
 

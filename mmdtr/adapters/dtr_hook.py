@@ -23,15 +23,16 @@ from typing import Optional, Union
 from mmengine.hooks import Hook
 
 from mmdtr.dtr import DTRStats
+from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
-from .config_translation import memory_key
+from .config_translation import config_check, hook_name, memory_key
 from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
                                 dtr_settings, model_device)
 
 KEY = 'dtr'
 
 
-@memory_key(KEY)
+@memory_key(KEY, hook='DTRHook')
 def translate_dtr(value) -> dict:
     """Validate the ``dtr`` value and build the :class:`DTRHook` config.
 
@@ -59,6 +60,49 @@ def translate_dtr(value) -> dict:
         >>> # --cfg-options dtr.eviction_threshold=3GB
     """
     return dict(type='mmdtr.DTRHook', **dtr_settings(value, KEY))
+
+
+@config_check
+def check_dtr_combinations(cfg, custom_hooks: list) -> None:
+    """Refuse, before the runner is built, what cannot run with DTR.
+
+    - MMEngine's ``compile`` key: the compiled ``train_step`` would trace
+      through the engine's dispatch mode, which fails inside PyTorch;
+    - ``model_wrapper_cfg.dtr`` together with the ``dtr`` key or a
+      :class:`DTRHook` (configured twice), or without a launcher (MMEngine
+      wraps the model only when distributed, so it would be ignored).
+
+    Args:
+        cfg (Config): The config.
+        custom_hooks (list): Its hooks, the translated keys' included.
+
+    Raises:
+        MmdtrError: On one of the combinations above.
+    """
+    hooks = [h for h in custom_hooks if hook_name(h) == 'DTRHook']
+    wrapper = cfg.get('model_wrapper_cfg', None)
+    by_wrapper = wrapper.get('dtr', None) if isinstance(wrapper,
+                                                        dict) else None
+    compiled = cfg.get('compile', None)
+    if compiled not in (None, False) and (hooks or by_wrapper is not None):
+        raise MmdtrError(
+            f'compile={compiled!r} and DTR cannot be combined: the compiled '
+            "train_step would trace through DTR's dispatch mode.",
+            hint=f'drop compile (compile={None}) or DTR.')
+    if by_wrapper is None:
+        return
+    if hooks:
+        raise MmdtrError(
+            f'DTR is configured twice: model_wrapper_cfg.dtr={by_wrapper!r} '
+            f'and {hooks[0]!r}.',
+            hint='keep either the dtr key or model_wrapper_cfg.dtr.')
+    if cfg.get('launcher', 'none') == 'none':
+        raise MmdtrError(
+            f'model_wrapper_cfg.dtr={by_wrapper!r} with launcher='
+            f"{cfg.get('launcher', 'none')!r}: MMEngine wraps the model only "
+            'in distributed training, so DTR would be off.',
+            hint='use the top-level dtr key, which works with and without '
+            'a launcher.')
 
 
 @HOOKS.register_module()

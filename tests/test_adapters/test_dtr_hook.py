@@ -225,6 +225,55 @@ def test_key_and_hook_together_fail_before_training(hook_type, make_cfg,
         translate_memory_keys(cfg)
 
 
+WRAPPER = dict(
+    type='mmdtr.DTRDistributedDataParallel',
+    dtr=dict(eviction_threshold='1GB'))
+
+
+@pytest.mark.parametrize(
+    'keys, match', [
+        (dict(custom_hooks=[
+            dict(type='mmdtr.DTRHook', eviction_threshold='1GB'),
+            dict(type=DTRHook, eviction_threshold='2GB')
+        ]), r'custom_hooks\[0\] and custom_hooks\[1\] both configure '
+         'DTRHook'),
+        (dict(
+            dtr=dict(eviction_threshold='1GB'),
+            compile=dict(backend='aot_eager')), 'compile=.*cannot be '
+         'combined'),
+        (dict(
+            dtr=dict(eviction_threshold='1GB'),
+            model_wrapper_cfg=WRAPPER,
+            launcher='pytorch'), 'DTR is configured twice'),
+        (dict(model_wrapper_cfg=WRAPPER), "launcher='none'.*DTR would be "
+         'off'),
+        (dict(DTR=dict(eviction_threshold='1GB')), "is it the 'dtr' key"),
+        (dict(dtr_cfg=dict(eviction_threshold='1GB')), "is it the 'dtr' key"),
+        (dict(activation_checkpoint=['backbone']),
+         "is it the 'activation_checkpointing' key"),
+        (dict(efficient_conv_bn=['backbone']),
+         "is it the 'efficient_conv_bn_eval' key"),
+    ],
+    ids=[
+        'two_hooks', 'compile', 'key_and_wrapper', 'wrapper_alone',
+        'upper_case', 'suffix', 'checkpoint_typo', 'conv_bn_typo'
+    ])
+def test_combinations_that_cannot_work_fail_at_translation(
+        keys, match, make_cfg, tmp_path):
+    cfg = make_cfg(tmp_path, **keys)
+    with pytest.raises(MmdtrError, match=match) as info:
+        MMDTRRunner.from_cfg(cfg)
+    assert 'Hint:' in str(info.value)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):
+    # the key itself is there: a variable named after it is not a typo
+    cfg = make_cfg(
+        tmp_path, dtr_threshold='1GB', dtr=dict(eviction_threshold='1GB'))
+    assert translate_memory_keys(cfg).custom_hooks[-1].type == 'mmdtr.DTRHook'
+
+
 def test_bad_value_fails_before_training(train_tool, tmp_path, capsys,
                                          make_cfg):
     config = osp.join(REPO, 'configs', 'gpt_synthetic.py')

@@ -250,13 +250,14 @@ def test_wrapper_alone_and_configured_twice(single_rank_env, tmp_path,
     evictions = runner.message_hub.get_scalar('train/dtr_evictions')
     assert len(evictions.data[0]) == 2
     torch_dist.destroy_process_group()
-    runner = MMDTRRunner.from_cfg(
-        runner_cfg(
-            tmp_path / 'twice',
-            dtr=DTR_CFG,
-            model_wrapper_cfg=copy.deepcopy(wrapper_cfg)))
     with pytest.raises(MmdtrError, match='DTR is configured twice'):
-        runner.train()
+        # refused before the runner is built
+        MMDTRRunner.from_cfg(
+            runner_cfg(
+                tmp_path / 'twice',
+                dtr=DTR_CFG,
+                model_wrapper_cfg=copy.deepcopy(wrapper_cfg)))
+    assert not (tmp_path / 'twice').exists()
     assert torch._C._len_torch_dispatch_stack() == 0
 
 

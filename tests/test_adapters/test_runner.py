@@ -8,7 +8,8 @@ from mmengine.registry import HOOKS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import DefaultScope
 
-from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
+from mmdtr.adapters.config_translation import (MEMORY_KEY_HOOKS,
+                                               MEMORY_KEY_TRANSLATORS,
                                                memory_key)
 from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
 from mmdtr.errors import MmdtrError
@@ -29,7 +30,7 @@ def dummy_key():
     """Register a dummy memory key; count its translations; clean up."""
     calls = []
 
-    @memory_key(DUMMY_KEY)
+    @memory_key(DUMMY_KEY, hook='DummyMemoryHook')
     def _translate(value):
         if value == 'bad':
             raise MmdtrError(f'{DUMMY_KEY}={value!r} is not accepted.')
@@ -38,6 +39,7 @@ def dummy_key():
 
     yield calls
     MEMORY_KEY_TRANSLATORS.pop(DUMMY_KEY)
+    MEMORY_KEY_HOOKS.pop(DUMMY_KEY)
 
 
 @pytest.fixture
