@@ -11,12 +11,22 @@ Examples:
     >>> with dtr.DTR(eviction_threshold='2GB') as engine:
     ...     model(x).sum().backward()
     >>> engine.stats.evictions
+
+Assigning a switch validates its value at once; assigning any other public
+name that the module does not define (a misspelt switch, ``dtr.policy``)
+raises :class:`~mmdtr.errors.MmdtrError`, and the switches cannot be
+deleted. Names the module defines or imports (``enable``, ``DTR``, ...) can
+still be replaced, e.g. by ``monkeypatch.setattr``.
 """
+import difflib
+import sys
 import threading
+import types
 
 from mmdtr.errors import MmdtrError
 from .core.dtr_mode import DTR, DTRStats
 from .core.policies import POLICIES, EvictionPolicy
+from .core.sizes import parse_size
 
 __all__ = [
     'DTR', 'DTRStats', 'EvictionPolicy', 'POLICIES', 'enable', 'disable',
@@ -42,8 +52,9 @@ def enable() -> DTR:
         DTR: The active engine (its ``stats`` are live).
 
     Raises:
-        MmdtrError: If DTR is already enabled on this thread, or a setting
-            is invalid (nothing is changed then).
+        MmdtrError: If DTR is already enabled on this thread, another engine
+            (``with DTR(...)``) is active on it, or a setting is invalid
+            (nothing is changed then).
     """
     if is_enabled():
         raise MmdtrError('DTR is already enabled on this thread.',
@@ -76,3 +87,55 @@ def is_enabled() -> bool:
 def current_engine():
     """The engine :func:`enable` started on this thread, or ``None``."""
     return getattr(_local, 'engine', None)
+
+
+def _check_bool(value, key):
+    if not isinstance(value, bool):
+        raise MmdtrError(f'{key}={value!r} is not a bool.',
+                         'Use True or False.')
+
+
+#: The module-level switches and the check their values pass at assignment
+#: (a threshold of None is checked against the device only by enable()).
+_SWITCHES = {
+    'eviction_threshold': lambda v, k: parse_size(v, k, allow_none=True),
+    'evictee_minimum_size': parse_size,
+    'enable_sqrt_sampling': _check_bool,
+}
+_DEFAULTS = {name: globals()[name] for name in _SWITCHES}
+_ENGINE_ONLY = ('policy', 'device')  # DTR() arguments, no switches
+
+
+class _DTRModule(types.ModuleType):
+    """``mmdtr.dtr`` itself: refuses unknown switches and bad values."""
+
+    def __setattr__(self, name, value):
+        if name in _SWITCHES:
+            _SWITCHES[name](value, f'mmdtr.dtr.{name}')
+        elif not (name in vars(self) or name.startswith('__')):
+            _refuse_unknown(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in _SWITCHES:
+            raise MmdtrError(
+                f'mmdtr.dtr.{name} is a DTR switch and cannot be deleted.',
+                f'Assign its default instead (see {_DEFAULTS}).')
+        super().__delattr__(name)
+
+
+def _refuse_unknown(name):
+    switches = list(_SWITCHES)
+    close = difflib.get_close_matches(name, switches, n=1)
+    message = (f'mmdtr.dtr.{name} is not a DTR switch; accepted: '
+               f'{switches}')
+    message += f', closest match: {close[0]!r}.' if close else '.'
+    if name in _ENGINE_ONLY:
+        hint = (f'{name} is an argument of the scoped engine: '
+                f'`with mmdtr.dtr.DTR({name}=...):`.')
+    else:
+        hint = f'Set one of {switches}, then call mmdtr.dtr.enable().'
+    raise MmdtrError(message, hint)
+
+
+sys.modules[__name__].__class__ = _DTRModule

@@ -5,10 +5,12 @@ and a private, nearly empty ``TorchDispatchMode`` that forwards every op to
 it; the saved-tensor hooks are thin closures over the same state.
 """
 import dataclasses
+import threading
 from typing import Optional, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode,
+                                          _get_current_dispatch_mode_stack)
 
 from mmdtr.errors import MmdtrError
 from .engine import EngineState, oom_eviction_needs_cuda
@@ -16,6 +18,8 @@ from .policies import build_policy
 from .sizes import parse_size
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DEVICE_TYPES = ('cpu', 'cuda')
+_ACTIVE = threading.local()  # .engine: the engine active on this thread
 
 
 class _DTRDispatchMode(TorchDispatchMode):
@@ -69,8 +73,17 @@ class DTR:
         policy (str | EvictionPolicy): ``'dtr'`` (default), ``'dtr_local'``,
             ``'lru'``, ``'largest'``, or an instance.
         device (str | torch.device, optional): Device whose memory is
-            metered. Defaults to the device of the first storage an op
-            allocates in scope (a CUDA device: its ``memory_allocated``).
+            metered: ``'cpu'``, ``'cuda'``, ``'cuda:N'`` or a
+            ``torch.device`` of those types. Defaults to the device of the
+            first storage an op allocates in scope (a CUDA device: its
+            ``memory_allocated``).
+
+    Raises:
+        MmdtrError: If an argument is invalid (at construction), or, at
+            ``__enter__``, if another engine is already active on this
+            thread: engines do not nest, whether started by ``with DTR()``
+            or :func:`mmdtr.dtr.enable`. Engines in other threads are
+            independent.
 
     Examples:
         >>> with DTR(eviction_threshold='2GB') as engine:
@@ -96,13 +109,7 @@ class DTR:
                 'bool.', 'Use True or False.')
         self.enable_sqrt_sampling = enable_sqrt_sampling
         self.policy = build_policy(policy)
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise MmdtrError(f'device={device!r} is not a device.',
-                                 "Use 'cpu', 'cuda' or 'cuda:N'.") from None
-        self.device = device
+        self.device = device = _check_device(device)
         needs_cuda = device.type != 'cuda' if device is not None else \
             not torch.cuda.is_available()
         if self.eviction_threshold is None and needs_cuda:
@@ -116,6 +123,7 @@ class DTR:
         if self._state is not None:
             raise MmdtrError('this DTR engine is already active.',
                              'Create one DTR object per scope.')
+        _refuse_nesting()
         state = EngineState(self.eviction_threshold, self.evictee_minimum_size,
                             self.enable_sqrt_sampling, self.policy,
                             self.device)
@@ -129,9 +137,25 @@ class DTR:
             mode.__exit__(None, None, None)
             raise
         self._state, self._mode, self._hooks = state, mode, hooks
+        _ACTIVE.engine = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        """Pop the hooks and the mode, and freeze :attr:`stats`.
+
+        Raises:
+            MmdtrError: If the engine is not active (``__exit__`` without
+                ``__enter__``, or twice): Python calls it only after a
+                successful ``__enter__``, so this is a bug in the caller.
+        """
+        if self._state is None:
+            raise MmdtrError(
+                'this DTR engine is not active: __exit__ was called without '
+                'a matching __enter__ (or twice).',
+                'Use it as `with DTR(...) as engine:`; check `engine.active` '
+                'before closing it by hand.')
+        if getattr(_ACTIVE, 'engine', None) is self:
+            _ACTIVE.engine = None
         state, mode, hooks = self._state, self._mode, self._hooks
         self._state = self._mode = self._hooks = None
         try:
@@ -144,6 +168,7 @@ class DTR:
 
     @property
     def active(self) -> bool:
+        """Whether the engine is entered and not yet exited."""
         return self._state is not None
 
     @property
@@ -166,3 +191,35 @@ class DTR:
             eviction_failures=state.eviction_failures,
             ops=state.clock,
             threshold=state.threshold)
+
+
+def _check_device(device) -> Optional[torch.device]:
+    """Return ``device`` as a CPU or CUDA ``torch.device``, or ``None``."""
+    if device is None:
+        return None
+    hint = "Use 'cpu', 'cuda', 'cuda:N', a torch.device of those, or None."
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise MmdtrError(f'device={device!r} is not a device.', hint) from None
+    if parsed.type not in _DEVICE_TYPES:
+        raise MmdtrError(
+            f'device={device!r} is a {parsed.type!r} device; DTR meters '
+            f'only {list(_DEVICE_TYPES)} memory.', hint)
+    return parsed
+
+
+def _refuse_nesting():
+    """Raise if a DTR engine is already active on this thread (R12)."""
+    other = getattr(_ACTIVE, 'engine', None)
+    if (other is None or not other.active) and not any(
+            isinstance(mode, _DTRDispatchMode)
+            for mode in _get_current_dispatch_mode_stack()):
+        return
+    raise MmdtrError(
+        'another DTR engine is already active on this thread; engines do '
+        'not nest (one per thread, started by `with DTR(...)` or '
+        'mmdtr.dtr.enable()).',
+        'Leave the other `with DTR(...)` block or call '
+        'mmdtr.dtr.disable() first; engines in other threads are '
+        'independent.')

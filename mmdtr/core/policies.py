@@ -85,8 +85,20 @@ POLICIES: Dict[str, Type[EvictionPolicy]] = {
 
 
 def build_policy(policy) -> EvictionPolicy:
-    """Return a policy from a name in :data:`POLICIES` or an instance."""
+    """Return a policy from a name in :data:`POLICIES` or an instance.
+
+    Raises:
+        MmdtrError: If ``policy`` is neither, or is an instance whose
+            ``score`` is the base class's (not implemented).
+    """
     if isinstance(policy, EvictionPolicy):
+        if getattr(policy.score, '__func__', None) is EvictionPolicy.score:
+            name = type(policy).__name__
+            raise MmdtrError(
+                f'policy={name}() does not implement score(record, clock); '
+                'EvictionPolicy is an abstract base class.',
+                f'Override score in a subclass, or use one of '
+                f'{sorted(POLICIES)}.')
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
