@@ -11,13 +11,16 @@ from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch.optim import Optimizer
 
+from mmdtr.adapters.inplace_optim_settings import (BUILDER_KEYS, KEY,
+                                                   WRAPPER_KEYS, amp_settings,
+                                                   check_accumulative_counts,
+                                                   check_keys,
+                                                   check_step_in_backward,
+                                                   clip_grad_settings)
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import OPTIM_WRAPPERS
 from mmdtr.techniques.inplace_update import (PerParameterStepper, make_inplace,
                                              release_grads)
-
-_AMP_KEYS = ('dtype', 'loss_scale')
-_AMP_DTYPES = ('float16', 'bfloat16')
 
 
 def _param_device_type(optimizer: Optimizer) -> str:
@@ -54,7 +57,10 @@ class InplaceOptimWrapper(OptimWrapper):
         optimizer (Optimizer): The optimizer (built from the config).
         accumulative_counts (int): Iterations to accumulate gradients over.
             Must be 1 with ``step_in_backward``. Defaults to 1.
-        clip_grad (dict, optional): As for ``OptimWrapper``. With
+        clip_grad (dict, optional): As for ``OptimWrapper``: ``type``
+            ``'norm'`` (default; ``max_norm``, optional ``norm_type``,
+            ``error_if_nonfinite``, ``foreach``) or ``'value'``
+            (``clip_value``, optional ``foreach``). With
             ``step_in_backward`` only ``dict(type='value', clip_value=v)``
             is accepted (it is per element); norm clipping needs every
             gradient at once. Defaults to None.
@@ -62,11 +68,24 @@ class InplaceOptimWrapper(OptimWrapper):
             Defaults to False.
         amp (dict, optional): ``dict(dtype=..., loss_scale=...)``: ``dtype``
             ``'float16'`` or ``'bfloat16'`` (None: the device's autocast
-            default); ``loss_scale`` ``'dynamic'`` (default), a float (static
-            scale), a dict of ``torch.amp.GradScaler`` arguments, or None (no
-            scaling, e.g. with bfloat16; required with ``step_in_backward``,
-            since a scaler must check every gradient for inf/NaN before any
-            parameter steps). Defaults to None (fp32).
+            default); ``loss_scale`` ``'dynamic'`` (default), a positive
+            finite number (static scale), a dict of ``torch.amp.GradScaler``
+            arguments, or None (no scaling, e.g. with bfloat16; required
+            with ``step_in_backward``, since a scaler must check every
+            gradient for inf/NaN before any parameter steps). Defaults to
+            None (fp32).
+        **unknown: Any other argument is refused (an :class:`MmdtrError`
+            naming the closest accepted one).
+
+    Raises:
+        MmdtrError: If a setting is not accepted (checked by
+            :mod:`mmdtr.adapters.inplace_optim_settings`: e.g. a
+            ``clip_value`` or ``max_norm`` that is not a positive finite
+            number, an infinite ``loss_scale``, an unknown key), if
+            ``step_in_backward`` conflicts with another setting or with the
+            optimizer (LBFGS), or if the optimizer has ``foreach=True``. All
+            settings are checked first: after an error, no hook is left on a
+            parameter and the optimizer is unchanged.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -86,96 +105,43 @@ class InplaceOptimWrapper(OptimWrapper):
                  accumulative_counts: int = 1,
                  clip_grad: Optional[dict] = None,
                  step_in_backward: bool = False,
-                 amp: Optional[dict] = None):
-        if not isinstance(step_in_backward, bool):
-            raise MmdtrError(
-                f'optim_wrapper.step_in_backward={step_in_backward!r} is not '
-                'accepted; accepted: True or False.')
-        clip_value = None
-        if step_in_backward:
-            clip_value = self._check_step_in_backward(accumulative_counts,
-                                                      clip_grad, amp)
-        make_inplace(optimizer)
-        super().__init__(
-            optimizer=optimizer,
-            accumulative_counts=accumulative_counts,
-            clip_grad=dict(clip_grad) if clip_grad else clip_grad)
+                 amp: Optional[dict] = None,
+                 **unknown):
+        # validate every setting (and build the loss scaler, which touches
+        # nothing else) before the optimizer or a parameter is changed
+        check_keys(unknown, WRAPPER_KEYS + BUILDER_KEYS, KEY,
+                   'an InplaceOptimWrapper argument', unknown)
+        check_step_in_backward(step_in_backward)
+        check_accumulative_counts(accumulative_counts, step_in_backward)
+        clip_grad, clip_value = clip_grad_settings(clip_grad, step_in_backward)
+        amp_cfg = amp_settings(amp, step_in_backward)
+        self.amp = amp_cfg is not None
+        self.amp_device = _param_device_type(optimizer)
+        self.cast_dtype = amp_cfg.dtype if amp_cfg else None
+        self._scale_update_param = amp_cfg.static_scale if amp_cfg else None
+        self.loss_scaler = (
+            torch.amp.GradScaler(self.amp_device, **amp_cfg.scaler_kwargs)
+            if amp_cfg and amp_cfg.scaler_kwargs is not None else None)
+        foreach = [(d, d['foreach'])
+                   for d in [optimizer.defaults, *optimizer.param_groups]
+                   if 'foreach' in d]
+        try:
+            make_inplace(optimizer)
+            super().__init__(
+                optimizer=optimizer,
+                accumulative_counts=accumulative_counts,
+                clip_grad=clip_grad)
+            # the last step: it registers the hooks, or raises before
+            self.stepper = (
+                PerParameterStepper(optimizer, clip_value)
+                if step_in_backward else None)
+        except BaseException:
+            for settings, value in foreach:  # leave the optimizer as given
+                settings['foreach'] = value
+            raise
         self.step_in_backward = step_in_backward
         self._step_kwargs: Dict = {}
         self._stepped_since_backward = True
-        self.stepper = (
-            PerParameterStepper(optimizer, clip_value)
-            if step_in_backward else None)
-        self._init_amp(amp)
-
-    @staticmethod
-    def _check_step_in_backward(accumulative_counts, clip_grad,
-                                amp) -> Optional[float]:
-        if accumulative_counts != 1:
-            raise MmdtrError(
-                'optim_wrapper.step_in_backward=True cannot be combined with '
-                f'accumulative_counts={accumulative_counts!r}: accumulation '
-                'needs the gradients of several iterations before any step; '
-                'accepted: accumulative_counts=1.',
-                hint='use step_in_backward=False to accumulate gradients.')
-        if amp is not None and isinstance(amp, dict) and amp.get(
-                'loss_scale', 'dynamic') is not None:
-            raise MmdtrError(
-                'optim_wrapper.step_in_backward=True cannot be combined with '
-                f"amp.loss_scale={amp.get('loss_scale', 'dynamic')!r}: a "
-                'grad scaler must find inf/NaN in every gradient before any '
-                'parameter steps; accepted: loss_scale=None.',
-                hint="use amp=dict(dtype='bfloat16', loss_scale=None), or "
-                'step_in_backward=False.')
-        if clip_grad:
-            clip_type = clip_grad.get('type', 'norm')
-            if clip_type != 'value' or 'clip_value' not in clip_grad:
-                raise MmdtrError(
-                    'optim_wrapper.step_in_backward=True cannot be combined '
-                    f'with clip_grad={dict(clip_grad)!r}: clipping by the '
-                    'global norm needs every gradient at once; accepted: '
-                    "None or dict(type='value', clip_value=...).",
-                    hint='drop clip_grad, or use step_in_backward=False.')
-            return float(clip_grad['clip_value'])
-        return None
-
-    def _init_amp(self, amp: Optional[dict]) -> None:
-        self.loss_scaler = None
-        self._scale_update_param = None
-        self.amp_device = _param_device_type(self.optimizer)
-        self.cast_dtype: Optional[torch.dtype] = None
-        self.amp = amp is not None
-        if amp is None:
-            return
-        unknown = sorted(set(amp) -
-                         set(_AMP_KEYS)) if isinstance(amp, dict) else None
-        if unknown is None or unknown:
-            raise MmdtrError(
-                f'optim_wrapper.amp={amp!r} is not accepted: expected a dict '
-                f'with the keys {_AMP_KEYS}.',
-                hint="e.g. amp=dict(dtype='float16', loss_scale='dynamic').")
-        dtype = amp.get('dtype')
-        if dtype is not None and dtype not in _AMP_DTYPES:
-            raise MmdtrError(
-                f'optim_wrapper.amp.dtype={dtype!r} is not accepted; '
-                f'accepted: None, {_AMP_DTYPES}.')
-        self.cast_dtype = getattr(torch, dtype) if dtype else None
-        loss_scale = amp.get('loss_scale', 'dynamic')
-        if loss_scale is None:
-            return
-        if loss_scale == 'dynamic':
-            kwargs = {}
-        elif isinstance(loss_scale, (int, float)) and loss_scale > 0:
-            self._scale_update_param = float(loss_scale)
-            kwargs = dict(init_scale=float(loss_scale))
-        elif isinstance(loss_scale, dict):
-            kwargs = dict(loss_scale)
-        else:
-            raise MmdtrError(
-                f'optim_wrapper.amp.loss_scale={loss_scale!r} is not '
-                "accepted; accepted: 'dynamic', a positive float, a dict of "
-                'torch.amp.GradScaler arguments, or None.')
-        self.loss_scaler = torch.amp.GradScaler(self.amp_device, **kwargs)
 
     def update_params(  # type: ignore
             self,

@@ -185,6 +185,8 @@ def test_step_in_backward_lowers_peak_by_the_gradients(name):
 
 def _refusals():
     sgd = dict(type='SGD', lr=0.1)
+    value = dict(type='value', clip_value=0.1)
+    bf16 = dict(dtype='bfloat16')
     return {
         'accumulation': (dict(accumulative_counts=2, step_in_backward=True),
                          sgd, 'accumulative_counts=2'),
@@ -197,10 +199,84 @@ def _refusals():
         (dict(step_in_backward='yes'), sgd, "step_in_backward='yes'"),
         'foreach': (dict(), dict(sgd, foreach=True), 'foreach=True'),
         'lbfgs': (dict(step_in_backward=True), dict(type='LBFGS'), 'LBFGS'),
-        'amp_key': (dict(amp=dict(dtype='float16', scale=2.0)), sgd, 'amp='),
+        'amp_key': (dict(amp=dict(dtype='float16', scale=2.0)), sgd,
+                    'amp.scale=2.0 is not accepted'),
         'amp_dtype': (dict(amp=dict(dtype='int8')), sgd, "amp.dtype='int8'"),
-        'amp_scale':
-        (dict(amp=dict(loss_scale='static')), sgd, "amp.loss_scale='static'"),
+        'amp_scale': (dict(amp=dict(loss_scale='static')), sgd,
+                      "amp.loss_scale='static'"),
+        # a negative clip_value clamps every gradient to it
+        'clip_negative':
+        (dict(clip_grad=dict(value, clip_value=-1), step_in_backward=True),
+         sgd, 'clip_grad.clip_value=-1 is not accepted; expected a positive '
+         'finite number'),
+        'clip_negative_after_backward':
+        (dict(clip_grad=dict(value, clip_value=-1)), sgd, 'clip_value=-1'),
+        'clip_nan': (dict(clip_grad=dict(value, clip_value=float('nan'))), sgd,
+                     'clip_value=nan'),
+        'clip_inf': (dict(
+            clip_grad=dict(value, clip_value=float('inf')),
+            step_in_backward=True), sgd, 'clip_value=inf'),
+        'clip_bool': (dict(clip_grad=dict(value, clip_value=True)), sgd,
+                      'clip_value=True'),
+        'clip_str':
+        (dict(clip_grad=dict(value, clip_value='abc'),
+              step_in_backward=True), sgd, "clip_value='abc'"),
+        'clip_list': (dict(clip_grad=[1.0], step_in_backward=True), sgd,
+                      'clip_grad=[1.0] is not accepted'),
+        'clip_empty': (dict(clip_grad={}), sgd, 'clip_grad={}'),
+        'clip_type': (dict(clip_grad=dict(type='values', clip_value=1.0)), sgd,
+                      "clip_grad.type='values'"),
+        'clip_key': (dict(clip_grad=dict(max_norm=1.0, norm_typ=2)), sgd,
+                     'clip_grad.norm_typ=2 is not accepted'),
+        'clip_missing': (dict(clip_grad=dict(type='norm')), sgd,
+                         'needs max_norm'),
+        'max_norm_zero': (dict(clip_grad=dict(max_norm=0)), sgd,
+                          'clip_grad.max_norm=0'),
+        'max_norm_inf': (dict(clip_grad=dict(max_norm=float('inf'))), sgd,
+                         'clip_grad.max_norm=inf'),
+        'norm_type': (dict(clip_grad=dict(max_norm=1.0, norm_type=-2)), sgd,
+                      'clip_grad.norm_type=-2'),
+        'norm_type_nan':
+        (dict(clip_grad=dict(max_norm=1.0, norm_type=float('nan'))), sgd,
+         'clip_grad.norm_type=nan'),
+        'clip_foreach': (dict(clip_grad=dict(max_norm=1.0, foreach='yes')),
+                         sgd, "clip_grad.foreach='yes'"),
+        # an infinite scale makes every step inf and skips it: no training
+        'scale_inf': (dict(amp=dict(bf16, loss_scale=float('inf'))), sgd,
+                      'amp.loss_scale=inf is not accepted'),
+        'scale_nan': (dict(amp=dict(bf16, loss_scale=float('nan'))), sgd,
+                      'amp.loss_scale=nan'),
+        'scale_bool': (dict(amp=dict(bf16, loss_scale=True)), sgd,
+                       'amp.loss_scale=True'),
+        'scale_negative': (dict(amp=dict(bf16, loss_scale=-8.0)), sgd,
+                           'amp.loss_scale=-8.0'),
+        'scale_dict_key':
+        (dict(amp=dict(bf16, loss_scale=dict(init_scal=2.0))), sgd,
+         'amp.loss_scale.init_scal=2.0 is not accepted: not a '
+         'torch.amp.GradScaler argument; accepted: init_scale'),
+        'scale_dict_device':
+        (dict(amp=dict(bf16, loss_scale=dict(device='cuda'))), sgd,
+         "amp.loss_scale.device='cuda'"),
+        'scale_dict_init':
+        (dict(amp=dict(bf16, loss_scale=dict(init_scale=float('inf')))), sgd,
+         'amp.loss_scale.init_scale=inf'),
+        'scale_dict_growth':
+        (dict(amp=dict(bf16, loss_scale=dict(growth_factor=0.5))), sgd,
+         'amp.loss_scale.growth_factor=0.5'),
+        'scale_dict_interval':
+        (dict(amp=dict(bf16, loss_scale=dict(growth_interval=0))), sgd,
+         'amp.loss_scale.growth_interval=0'),
+        'unknown_key':
+        (dict(step_in_backwards=True), sgd,
+         'optim_wrapper.step_in_backwards=True is not accepted'),
+        'counts_zero': (dict(accumulative_counts=0), sgd,
+                        'accumulative_counts=0'),
+        'counts_str': (dict(accumulative_counts='2'), sgd,
+                       "accumulative_counts='2'"),
+        'counts_float': (dict(accumulative_counts=2.5), sgd,
+                         'accumulative_counts=2.5'),
+        'counts_bool': (dict(accumulative_counts=True, step_in_backward=True),
+                        sgd, 'accumulative_counts=True'),
     }
 
 
@@ -211,8 +287,86 @@ def test_refusals(case):
         type='mmdtr.InplaceOptimWrapper',
         optimizer=optimizer,
         **wrapper_kwargs)
-    with pytest.raises(MmdtrError, match=re.escape(match)):
+    with pytest.raises(MmdtrError, match=re.escape(match)) as info:
         build_optim_wrapper(nn.Linear(2, 2), cfg)
+    assert info.value.hint, 'every refusal says how to fix it'
+
+
+@pytest.mark.parametrize('kwargs, hint', [
+    (dict(step_in_backwards=True), 'step_in_backwards to step_in_backward'),
+    (dict(paramwise_cfgs=dict()), 'paramwise_cfgs to paramwise_cfg'),
+    (dict(amp=dict(loss_scale=dict(init_scal=2.0))),
+     'init_scal to init_scale'),
+    (dict(clip_grad=dict(max_norm=1.0, norm_typ=2)), 'norm_typ to norm_type'),
+])
+def test_unknown_keys_name_the_closest_accepted_one(kwargs, hint):
+    with pytest.raises(MmdtrError) as info:
+        build(InplaceOptimWrapper, **kwargs)
+    assert hint in info.value.hint
+
+
+class ForeachLBFGS(torch.optim.LBFGS):
+    """Not per-parameter, with a ``foreach`` option that make_inplace sets."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for settings in (self.defaults, *self.param_groups):
+            settings['foreach'] = None
+
+
+@pytest.mark.parametrize('case', ['amp_dtype', 'amp_str', 'lbfgs'])
+def test_failed_construction_leaves_nothing_applied(case):
+    """No hook is left on any parameter; the optimizer is as it was."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    kwargs = dict(step_in_backward=True)
+    if case == 'lbfgs':
+        optimizer = ForeachLBFGS(model.parameters())
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        kwargs['amp'] = dict(dtype='float32', loss_scale=None) \
+            if case == 'amp_dtype' else 'bfloat16'
+    defaults = copy.deepcopy(optimizer.defaults)
+    groups = copy.deepcopy(optimizer.state_dict()['param_groups'])
+    with pytest.raises(MmdtrError):
+        InplaceOptimWrapper(optimizer, **kwargs)
+    assert all(not getattr(p, '_post_accumulate_grad_hooks', None)
+               for p in model.parameters())
+    assert optimizer.defaults == defaults
+    assert optimizer.state_dict()['param_groups'] == groups
+
+
+@pytest.mark.parametrize('clip_grad', [
+    dict(max_norm=0.05, norm_type='inf'),
+    dict(
+        type='norm',
+        max_norm=1,
+        norm_type=float('inf'),
+        error_if_nonfinite=False,
+        foreach=None),
+    dict(type='value', clip_value=0.01, foreach=False),
+])
+def test_accepted_clip_grad_forms_match_optim_wrapper(clip_grad):
+    """Every form MMEngine's OptimWrapper takes is taken, with its result."""
+    ref, ref_wrapper = build(OptimWrapper, 'sgd', clip_grad=dict(clip_grad))
+    model, wrapper = build(InplaceOptimWrapper, 'sgd', clip_grad=clip_grad)
+    train(ref, ref_wrapper, 3)
+    train(model, wrapper, 3)
+    assert_same_params(ref, model)
+
+
+@pytest.mark.parametrize('loss_scale, scale', [
+    ('dynamic', 2.0**16),
+    (8, 8.0),
+    (dict(init_scale=4.0, growth_interval=10, enabled=True), 4.0),
+])
+def test_accepted_loss_scales(loss_scale, scale):
+    model, wrapper = build(
+        InplaceOptimWrapper, amp=dict(dtype='bfloat16', loss_scale=loss_scale))
+    before = copy.deepcopy(model.state_dict())
+    train(model, wrapper, 1)
+    assert wrapper.loss_scaler.get_scale() == scale
+    assert not torch.equal(before['body.0.weight'], model.body[0].weight)
 
 
 def test_step_in_backward_refuses_distributed_wrappers():
