@@ -11,7 +11,7 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
 from mmdtr.techniques.activation_checkpointing import (
     POLICIES, apply_activation_checkpointing, normalize_policy)
-from mmdtr.techniques.module_selection import as_name_list
+from mmdtr.techniques.module_selection import as_name_list, resolve_modules
 from .config_translation import memory_key
 
 KEY = 'activation_checkpointing'
@@ -105,6 +105,15 @@ class ActivationCheckpointingHook(Hook):
         normalize_policy(policy)
         self.policy = policy
         self.wrapped: Optional[list] = None
+
+    def before_run(self, runner) -> None:
+        """Check the names before any hook changes the model (in
+        ``before_train``): a bad name here then leaves the other mmdtr
+        hooks unapplied too."""
+        model = runner.model
+        resolve_modules(
+            model.module if is_model_wrapper(model) else model, self.modules,
+            KEY)
 
     def before_train(self, runner) -> None:
         """Wrap the selected modules of the (unwrapped) model."""

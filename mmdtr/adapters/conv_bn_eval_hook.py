@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mmdtr.registry import HOOKS
 from mmdtr.techniques.efficient_conv_bn_eval import \
     apply_efficient_conv_bn_eval
-from mmdtr.techniques.module_selection import as_name_list
+from mmdtr.techniques.module_selection import as_name_list, resolve_modules
 from .config_translation import memory_key
 
 try:
@@ -104,9 +104,7 @@ class EfficientConvBnEvalHook(Hook):
     def _apply(self, runner) -> None:
         if self.results is not None:
             return
-        model = runner.model
-        if is_model_wrapper(model):
-            model = model.module
+        model = _unwrapped(runner.model)
         runner.logger.info(f'Enabling the "{KEY}" feature for these modules '
                            f'{self.modules}')
         with warnings.catch_warnings(record=True) as caught:
@@ -126,6 +124,12 @@ class EfficientConvBnEvalHook(Hook):
                     f'modules {traced}; {result.native_modules} mmcv '
                     'ConvModules use their own support.')
 
+    def before_run(self, runner) -> None:
+        """Check the names before any hook changes the model (in
+        ``before_train``): a bad name of another mmdtr hook then leaves
+        this one unapplied too."""
+        resolve_modules(_unwrapped(runner.model), self.modules, KEY)
+
     def before_train(self, runner) -> None:
         """Apply to the model before the first training iteration."""
         self._apply(runner)
@@ -137,3 +141,7 @@ class EfficientConvBnEvalHook(Hook):
     def before_test(self, runner) -> None:
         """Apply before testing when the run does not train."""
         self._apply(runner)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return model.module if is_model_wrapper(model) else model

@@ -156,6 +156,28 @@ def test_unknown_name_raises_on_train(make_cfg, tmp_path):
         runner.train()
 
 
+def test_bad_checkpointing_name_leaves_the_model_unfused(make_cfg, tmp_path):
+    # every mmdtr hook checks its names in before_run, before any of them
+    # changes the model in before_train
+    cfg = make_cfg(
+        tmp_path,
+        efficient_conv_bn_eval=['backbone'],
+        activation_checkpointing=['backbone.layerX'])
+    runner = Runner.from_cfg(translate_memory_keys(cfg))
+    forwards = {
+        name: type(module).forward
+        for name, module in runner.model.named_modules()
+    }
+    with pytest.raises(MmdtrError, match="matches 'backbone.layerX'"):
+        runner.train()
+    assert forwards == {
+        name: type(module).forward
+        for name, module in runner.model.named_modules()
+    }
+    assert not any('forward' in vars(module)
+                   for module in runner.model.modules())
+
+
 def test_applies_once_and_before_val_or_test():
     model = ConvBnHookToyNet().eval()
     runner = SimpleNamespace(
