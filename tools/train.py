@@ -91,7 +91,7 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
             cfg[name] = {}
     try:
         cfg.merge_from_dict(options)
-    except (TypeError, KeyError, IndexError, ValueError) as e:
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
         raise MmdtrError(
             f'--cfg-options {options!r} cannot be merged into '
             f'{cfg.filename}: {e}',
@@ -172,10 +172,10 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         cfg = build_cfg(args)
+        runner = build_runner(cfg)
     except MmdtrError as e:
         print(f'{type(e).__name__}: {e}', file=sys.stderr)
         sys.exit(1)
-    runner = build_runner(cfg)
     try:
         runner.train()
     except BaseException:

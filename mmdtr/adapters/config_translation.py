@@ -18,11 +18,13 @@ keys again, and ``--cfg-options`` on them still take effect.
 """
 import copy
 import difflib
+import inspect
 from typing import Callable, Dict, List
 
 from mmengine.config import Config
 
 from mmdtr.errors import MmdtrError
+from mmdtr.registry import HOOKS
 
 #: key name -> translator ``fn(value) -> hook cfg dict``
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
@@ -112,6 +114,7 @@ def translate_memory_keys(cfg: Config) -> Config:
                     'hook, not both.')
         hooks.append(hook)
     _refuse_repeated_hooks(custom_hooks)
+    _check_hook_arguments(custom_hooks)
     for check in CONFIG_CHECKS:
         check(cfg, custom_hooks + hooks)
     out = copy.deepcopy(cfg)
@@ -136,6 +139,43 @@ def _refuse_repeated_hooks(custom_hooks: list) -> None:
                     f'{hook!r}.',
                     hint='configure it once.')
             seen[name] = i
+
+
+def _check_hook_arguments(custom_hooks: list) -> None:
+    """Build the keys' hooks given in ``custom_hooks`` once, to check their
+    arguments now rather than when the runner is built."""
+    for i, hook in enumerate(custom_hooks):
+        if hook_name(hook) not in MEMORY_KEY_HOOKS.values():
+            continue
+        cls = hook['type'] if isinstance(hook['type'], type) else \
+            HOOKS.get(hook['type'])
+        if cls is None:  # not mmdtr's: MMEngine will name it
+            continue
+        # MMEngine pops `priority` before building a hook
+        kwargs = {
+            k: v
+            for k, v in hook.items() if k not in ('type', 'priority')
+        }
+        accepted = list(inspect.signature(cls).parameters)
+        unknown = [k for k in kwargs if k not in accepted]
+        if unknown:
+            close = {
+                k: difflib.get_close_matches(str(k), accepted, n=1)
+                for k in unknown
+            }
+            raise MmdtrError(
+                f'custom_hooks[{i}]={hook!r} is not accepted: '
+                f'{hook_name(hook)} takes {accepted}.',
+                hint=f'closest matches: {close}.')
+        try:
+            cls(**kwargs)
+        except MmdtrError as e:
+            raise MmdtrError(f'custom_hooks[{i}]={hook!r}: ' +
+                             str(e)[len('mmdtr: '):]) from e
+        except TypeError as e:  # a required argument missing
+            raise MmdtrError(
+                f'custom_hooks[{i}]={hook!r} is not accepted: {e}.',
+                hint=f'{hook_name(hook)} takes {accepted}.') from e
 
 
 def _refuse_near_misses(cfg) -> None:

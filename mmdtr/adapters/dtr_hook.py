@@ -153,7 +153,7 @@ class DTRHook(Hook):
             evictee_minimum_size=evictee_minimum_size,
             enable_sqrt_sampling=enable_sqrt_sampling,
             policy=policy)
-        dtr_settings(self.settings, KEY)
+        dtr_settings(self.settings, 'DTRHook')
         self.step: Optional[DTRTrainStep] = None
         self._attached_to = None
 

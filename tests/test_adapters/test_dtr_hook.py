@@ -232,6 +232,12 @@ WRAPPER = dict(
 
 @pytest.mark.parametrize(
     'keys, match', [
+        (dict(custom_hooks=[dict(type='DTRHook', eviction_threshold='1XB')]),
+         r"custom_hooks\[0\].*'1XB' is not a size"),
+        (dict(custom_hooks=[dict(type='mmdtr.ActivationCheckpointingHook')]),
+         r"custom_hooks\[0\].*missing 1 required"),
+        (dict(custom_hooks=[dict(type=DTRHook, evicton_threshold='1GB')]),
+         r"custom_hooks\[0\].*closest matches: .*'eviction_threshold'"),
         (dict(custom_hooks=[
             dict(type='mmdtr.DTRHook', eviction_threshold='1GB'),
             dict(type=DTRHook, eviction_threshold='2GB')
@@ -255,8 +261,9 @@ WRAPPER = dict(
          "is it the 'efficient_conv_bn_eval' key"),
     ],
     ids=[
-        'two_hooks', 'compile', 'key_and_wrapper', 'wrapper_alone',
-        'upper_case', 'suffix', 'checkpoint_typo', 'conv_bn_typo'
+        'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
+        'key_and_wrapper', 'wrapper_alone', 'upper_case', 'suffix',
+        'checkpoint_typo', 'conv_bn_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):

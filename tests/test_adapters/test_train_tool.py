@@ -112,6 +112,14 @@ def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
         build(train_tool, toy_config, '--cfg-options', *options)
 
 
+def test_dotted_index_into_a_list_of_strings_raises(train_tool, toy_config,
+                                                    tmp_path):
+    config = tmp_path / 'names.py'
+    config.write_text(f"_base_ = ['{toy_config}']\nnames = ['a']\n")
+    with pytest.raises(MmdtrError, match='cannot be merged'):
+        build(train_tool, str(config), '--cfg-options', 'names.0=b')
+
+
 def test_args_are_applied(train_tool, toy_config, tmp_path):
     cfg = build(train_tool, toy_config)
     assert cfg.work_dir == osp.join('./work_dirs', 'toy_cfg')

@@ -5,17 +5,19 @@ from mmdtr.core.sizes import format_size, parse_size
 from mmdtr.errors import MmdtrError
 
 
-@pytest.mark.parametrize('value, nbytes', [
-    (0, 0),
-    (123, 123),
-    ('5GB', 5 * 2**30),
-    ('512MiB', 512 * 2**20),
-    ('1.5 GB', 3 * 2**29),
-    (' 5gb ', 5 * 2**30),
-    ('0.3MB', 314572),  # fractions of a byte are dropped
-    ('0', 0),
-    ('9' * 400 + 'GB', int('9' * 400) * 2**30),  # exact, no float overflow
-])
+@pytest.mark.parametrize(
+    'value, nbytes',
+    [
+        (0, 0),
+        (123, 123),
+        ('5GB', 5 * 2**30),
+        ('512MiB', 512 * 2**20),
+        ('1.5 GB', 3 * 2**29),
+        (' 5gb ', 5 * 2**30),
+        ('0.3MB', 314572),  # fractions of a byte are dropped
+        ('0', 0),
+        ('9' * 400 + 'GB', int('9' * 400) * 2**30),  # exact, no float overflow
+    ])
 def test_accepted_sizes(value, nbytes):
     assert parse_size(value, 'eviction_threshold') == nbytes
 
