@@ -8,7 +8,9 @@ instead when no accelerator is available; with CUDA, MMEngine's own path
 (nccl, ``MMDistributedDataParallel``) is kept.
 """
 import datetime
+import difflib
 import gc
+import inspect
 import os
 import subprocess
 from typing import Optional
@@ -96,7 +98,23 @@ def init_cpu_dist(launcher: str,
     os.environ['WORLD_SIZE'] = str(world_size)
     os.environ['LOCAL_RANK'] = os.environ.get(local_var, '0')
     if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not 0 < timeout < float('inf'):
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
+                'expected a positive number of seconds.',
+                hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
         kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+    accepted = inspect.signature(torch_dist.init_process_group).parameters
+    for name in kwargs:
+        if name not in accepted or name in ('rank', 'world_size', 'backend'):
+            close = difflib.get_close_matches(name, ['timeout', *accepted], 1)
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.{name}={kwargs[name]!r} is not accepted '
+                '(not an argument of torch.distributed.init_process_group '
+                'that the config may set)' +
+                (f'; closest match: {close[0]!r}.' if close else '.'),
+                hint='see init_cpu_dist in mmdtr/adapters/distributed.py.')
     torch_dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size, **kwargs)
 

@@ -124,6 +124,18 @@ def test_init_cpu_dist_errors(monkeypatch):
     assert not torch_dist.is_initialized()
 
 
+@pytest.mark.parametrize('dist_cfg, match', [
+    (dict(tiemout=30), "dist_cfg.tiemout=30.*closest match: 'timeout'"),
+    (dict(timeout='30'), "timeout='30' is not accepted"),
+    (dict(timeout=-1), 'timeout=-1 is not accepted'),
+    (dict(rank=3), 'dist_cfg.rank=3 is not accepted')
+])
+def test_init_cpu_dist_refuses_bad_dist_cfg(single_rank_env, dist_cfg, match):
+    with pytest.raises(MmdtrError, match=match):
+        init_cpu_dist('pytorch', **dist_cfg)
+    assert not torch_dist.is_initialized()
+
+
 @cpu_only
 @pytest.mark.parametrize('lr', [0.1, 'broken'], ids=['ok', 'failing'])
 def test_train_tool_destroys_its_process_group(single_rank_env, tmp_path,
