@@ -103,7 +103,8 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
     if not isinstance(custom_imports, dict) or 'imports' not in custom_imports:
         raise MmdtrError(
             f'custom_imports={custom_imports!r} is not accepted; expected '
-            "dict(imports=['module', ...], allow_failed_imports=False).")
+            "dict(imports=['module', ...], allow_failed_imports=False).",
+            hint="e.g. --cfg-options 'custom_imports.imports=[my_module]'.")
     try:
         import_modules_from_strings(**custom_imports)
     except ImportError as e:
@@ -127,7 +128,9 @@ def build_cfg(args) -> Config:
             without a CUDA device.
     """
     if not osp.isfile(args.config):
-        raise MmdtrError(f'config file {args.config!r} does not exist.')
+        raise MmdtrError(
+            f'config file {args.config!r} does not exist.',
+            hint='give the path of a config file, e.g. configs/demo_dtr.py.')
     cfg = Config.fromfile(args.config)
     if args.cfg_options is not None:
         merge_cfg_options(cfg, args.cfg_options)
@@ -142,12 +145,16 @@ def build_cfg(args) -> Config:
 
     if args.amp:
         if not isinstance(cfg.get('optim_wrapper'), dict):
-            raise MmdtrError('--amp needs an optim_wrapper dict in the '
-                             f"config, got {cfg.get('optim_wrapper')!r}.")
+            raise MmdtrError(
+                '--amp needs an optim_wrapper dict in the config, got '
+                f"{cfg.get('optim_wrapper')!r}.",
+                hint='set optim_wrapper = dict(optimizer=...) or drop --amp.')
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
         if optim_wrapper not in ('OptimWrapper', 'AmpOptimWrapper'):
-            raise MmdtrError(f'--amp needs optim_wrapper.type OptimWrapper or '
-                             f'AmpOptimWrapper, got {optim_wrapper!r}.')
+            raise MmdtrError(
+                f'--amp needs optim_wrapper.type OptimWrapper or '
+                f'AmpOptimWrapper, got {optim_wrapper!r}.',
+                hint='configure AMP in that wrapper itself, or drop --amp.')
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     check_amp_available(cfg.get('optim_wrapper'))

@@ -57,7 +57,9 @@ def memory_key(name: str, hook: str) -> Callable:
 
     def register(fn: Callable[[object], dict]) -> Callable[[object], dict]:
         if name in MEMORY_KEY_TRANSLATORS:
-            raise MmdtrError(f'config key {name!r} is registered twice.')
+            raise MmdtrError(
+                f'config key {name!r} is registered twice.',
+                hint='register each key once, in its adapter.')
         MEMORY_KEY_TRANSLATORS[name] = fn
         MEMORY_KEY_HOOKS[name] = hook
         return fn

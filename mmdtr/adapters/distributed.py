@@ -72,14 +72,18 @@ def init_cpu_dist(launcher: str,
     if backend not in _CPU_BACKENDS:
         raise MmdtrError(
             f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU; '
-            f'accepted: {_CPU_BACKENDS} (or nccl, which means gloo).')
+            f'accepted: {_CPU_BACKENDS} (or nccl, which means gloo).',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
     if init_backend != 'torch':
         raise MmdtrError(
             f'env_cfg.dist_cfg.init_backend={init_backend!r} is not '
-            "supported on CPU; accepted: 'torch'.")
+            "supported on CPU; accepted: 'torch'.",
+            hint='leave init_backend out of env_cfg.dist_cfg.')
     if launcher not in _LAUNCHER_ENV:
-        raise MmdtrError(f'launcher={launcher!r} is not supported; accepted: '
-                         f'{tuple(_LAUNCHER_ENV)}.')
+        raise MmdtrError(
+            f'launcher={launcher!r} is not supported; accepted: '
+            f'{tuple(_LAUNCHER_ENV)}.',
+            hint='use tools/dist_train.sh, which passes --launcher pytorch.')
     rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
     rank = int(_env(rank_var, launcher))
     world_size = int(_env(size_var, launcher))

@@ -34,8 +34,10 @@ from torch import nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
-from .config_translation import SOURCE_ATTR, translate_memory_keys
+from .config_translation import (SOURCE_ATTR, config_check,
+                                 translate_memory_keys)
 from .distributed import init_cpu_dist
+from .inplace_optim_settings import check_accumulative_counts
 
 
 def _is_amp(wrapper_type) -> bool:
@@ -60,20 +62,40 @@ def check_amp_available(optim_wrapper: Optional[dict]) -> None:
         MmdtrError: If an ``AmpOptimWrapper`` is asked for and no supported
             accelerator is available.
     """
-    if not isinstance(optim_wrapper, dict):
-        return
-    wrappers = [optim_wrapper]
-    if 'type' not in optim_wrapper and 'optimizer' not in optim_wrapper:
-        wrappers = [w for w in optim_wrapper.values() if isinstance(w, dict)]
     if is_cuda_available() or is_npu_available() or is_mlu_available():
         return
-    for wrapper in wrappers:
+    for wrapper in _wrapper_cfgs(optim_wrapper):
         if _is_amp(wrapper.get('type')):
             raise MmdtrError(
                 f"optim_wrapper.type={wrapper.get('type')!r} (AMP, e.g. from "
                 '--amp) needs a CUDA, NPU or MLU device, but none is '
                 "available; MMEngine's AmpOptimWrapper cannot run on CPU.",
                 hint="drop --amp, or use optim_wrapper.type='OptimWrapper'.")
+
+
+def _wrapper_cfgs(optim_wrapper) -> list:
+    """The optimizer-wrapper configs of ``optim_wrapper`` (one, or a dict of
+    them, one per optimizer)."""
+    if not isinstance(optim_wrapper, dict):
+        return []
+    if 'type' not in optim_wrapper and 'optimizer' not in optim_wrapper:
+        return [w for w in optim_wrapper.values() if isinstance(w, dict)]
+    return [optim_wrapper]
+
+
+@config_check
+def check_accumulation(cfg, custom_hooks: list) -> None:
+    """``optim_wrapper.accumulative_counts`` must be a positive int.
+
+    MMEngine's ``OptimWrapper`` accepts ``2.5`` and ``True`` and asserts on
+    0 deep inside the runner; this fails before the runner is built.
+
+    Raises:
+        MmdtrError: On another value.
+    """
+    for wrapper in _wrapper_cfgs(cfg.get('optim_wrapper', None)):
+        if 'accumulative_counts' in wrapper:
+            check_accumulative_counts(wrapper['accumulative_counts'], False)
 
 
 @RUNNERS.register_module()

@@ -8,11 +8,13 @@ parameters and buffers with the run without the feature.
 
 import pytest
 import torch
+from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 from mmengine.runner import Runner
 
 from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.errors import MmdtrError
 from mmdtr.techniques.activation_checkpointing import is_checkpointed
 
 
@@ -114,3 +116,19 @@ def test_conv_bn_eval_and_checkpointing(tmp_path, plain_frozen, train_accum):
     for name, b in plain_frozen[1].items():
         assert torch.equal(b, fused[1][name]) and torch.equal(
             b, both[1][name]), name
+
+
+@pytest.mark.parametrize('counts', [0, -1, 2.5, True, '2'])
+def test_bad_counts_fail_at_translation(counts):
+    # MMEngine's OptimWrapper accepts 2.5 and True and asserts on 0 later
+    cfg = Config(
+        dict(
+            optim_wrapper=dict(
+                optimizer=dict(type='SGD', lr=0.1),
+                accumulative_counts=counts)))
+    with pytest.raises(
+            MmdtrError,
+            match=f'optim_wrapper.accumulative_counts={counts!r} is not'):
+        translate_memory_keys(cfg)
+    cfg.optim_wrapper.accumulative_counts = 2
+    assert translate_memory_keys(cfg).optim_wrapper.accumulative_counts == 2
