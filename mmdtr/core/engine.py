@@ -227,7 +227,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         for w in declared:
             self._after_write(w, mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
-            self._after_write(w, None, info)
+            self._after_write(w, None, info, declared=False)
         memory = self.memory_in_use()
         if self.cuda and memory > self.peak:
             self.peak = memory
@@ -245,15 +245,14 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         info = op_info(func)
         writes = ()
         if info.written_args or info.side_effect_args:
-            writes = [
-                w for w in self._writes(info, args, kwargs)[0]
-                if _has_storage(w)
-            ]
-            for w in writes:
+            writes, n_declared, _ = self._writes(info, args, kwargs)
+            writes = [(w, i < n_declared) for i, w in enumerate(writes)
+                      if _has_storage(w)]
+            for w, _ in writes:
                 self._before_write(w)
         out = func(*args, **kwargs)
-        for w in writes:
-            self._after_write(w, None, info)
+        for w, declared in writes:
+            self._after_write(w, None, info, declared)
         return out
 
     @staticmethod

@@ -197,11 +197,15 @@ class StorageRecord:
             one; ``None`` until the first (most records never get one).
         inputs (list): Records this one's recipe reads.
         keepalive: A strong reference to the storage of a frozen record.
+        saved_writes (list | None): ``(version, view meta)`` of the writes
+            autograd sees (declared in the op's schema) made while the
+            record had saved-tensor handles (R10).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
-                 'cand_index', 'evicted_class', 'keepalive', '__weakref__')
+                 'cand_index', 'evicted_class', 'keepalive', 'saved_writes',
+                 '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes, self.device = nbytes, device
@@ -211,7 +215,7 @@ class StorageRecord:
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
         self.mutations, self.inputs = [], []
-        self.users = None
+        self.users = self.saved_writes = None
         self.cost = 0.0
         self.last_access = clock
         self.cand_index = -1

@@ -7,6 +7,7 @@ and R10 of docs/design.md.
 """
 import time
 
+from .overlap import views_overlap
 from .records import detached_alias, managed, view_meta, view_of
 
 
@@ -72,10 +73,17 @@ class SavedTensors:
             return handle
         rec = handle.record
         rec.last_access = self.clock
-        if rec.version != handle.version:
-            # written since it was saved: eager autograd refuses too (a
-            # write through .data or detach() it would allow is refused)
-            raise _modified_error(handle.key[1], handle.version, rec.version)
+        version = handle.version
+        if rec.version != version:
+            if any(v > version and views_overlap(meta, handle.key)
+                   for v, meta in rec.saved_writes or ()):
+                # written since it was saved: eager autograd refuses too
+                # (a write through .data, which it allows, is refused)
+                raise _modified_error(handle.key[1], version, rec.version)
+            # only writes autograd does not see (side effects) or that
+            # missed the saved elements (unsafe_chunk siblings, which have
+            # their own version counters): eager hands it out as it is now
+            version = rec.version
         t = rec.views.get(handle.key)
         if t is not None:
             return t
@@ -85,7 +93,7 @@ class SavedTensors:
                                                 rec.device)
             return t
         start = time.perf_counter()
-        storage = self.materialize(rec, handle.version)
+        storage = self.materialize(rec, version)
         t = view_of(storage, handle.key, rec.device)
         if rec.handles:
             rec.views[handle.key] = t

@@ -5,7 +5,7 @@ per engine; this mixin only groups its methods). Rules R5 and R7 of
 docs/design.md.
 """
 from .cost_model import tensor_bytes
-from .records import AllocNode
+from .records import AllocNode, view_meta
 
 
 class Writes:
@@ -78,10 +78,18 @@ class Writes:
                     stack.append(user)
         return list(seen.values())
 
-    def _after_write(self, t, node, info):
+    def _after_write(self, t, node, info, declared=True):
+        """Version ``t``'s storage after a write; ``node`` replays it
+        (``None``: not replayable). ``declared``: the op's schema declares
+        the write, so autograd sees it (R10); batch norm's running
+        statistics are written undeclared."""
         rec = self.records.get(t.untyped_storage()._cdata)
         if rec is None:
             return
+        if declared and rec.handles:  # for SavedTensors.unpack (R10)
+            if rec.saved_writes is None:
+                rec.saved_writes = []
+            rec.saved_writes.append((rec.version + 1, view_meta(t)))
         if node is not None and rec.lo is None and info.full_overwrite \
                 and t.is_contiguous() and t.storage_offset() == 0 \
                 and tensor_bytes(t) == rec.nbytes:
