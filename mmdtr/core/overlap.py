@@ -40,9 +40,10 @@ def views_overlap(a, b) -> bool:
         return False
     if a[:3] != b[:3]:
         return True
-    dims = sorted(((step, size) for size, step in zip(a[1], a[2])
-                   if size > 1 and step != 0),
-                  reverse=True)
+    dims = sorted(
+        ((step, size)
+         for size, step in zip(a[1], a[2]) if size > 1 and step != 0),
+        reverse=True)
     budget = [_MAX_STEPS]
     return _representable(b[3] - a[3], dims, budget)
 

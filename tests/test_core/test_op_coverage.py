@@ -283,8 +283,10 @@ def test_running_stats_made_in_scope(same_under_dtr):
         x = torch.randn(3, 4, 6, requires_grad=True)
         loss = (bn(norm(x).exp()).sin() * 1.5).sum()
         loss.backward()
-        return [loss, x.grad, norm.running_mean, bn.running_var,
-                *(p.grad for p in [*norm.parameters(), *bn.parameters()])]
+        return [
+            loss, x.grad, norm.running_mean, bn.running_var,
+            *(p.grad for p in [*norm.parameters(), *bn.parameters()])
+        ]
 
     assert same_under_dtr(step).recomputations > 0
 
