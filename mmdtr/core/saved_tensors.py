@@ -24,12 +24,17 @@ class SavedHandle:
 
 
 class HeldSaved:
-    """A saved tensor the engine does not manage, kept as it is with the
-    version autograd would check (hooks turn autograd's own check off)."""
+    """A saved tensor the engine does not manage, kept with the version
+    autograd would check (hooks turn autograd's own check off).
+
+    Kept as a detached alias, which shares the version counter: the tensor
+    itself would close a cycle through C++ (its ``grad_fn`` saves it, for
+    a saved output) that Python's garbage collector cannot see (R10).
+    """
     __slots__ = ('tensor', 'version')
 
     def __init__(self, tensor):
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = detached_alias(tensor), tensor._version
 
 
 def _modified_error(shape, saved, now):

@@ -1,6 +1,7 @@
 """What the engine must never do: evict what it cannot replay or what is
 still visible, leave state behind, or leak records across iterations."""
 import copy
+import gc
 import threading
 import weakref
 
@@ -279,6 +280,31 @@ def test_records_do_not_grow_across_iterations():
                      for users, _ in state.external_users.values())))
     assert sizes[1] == sizes[2] == sizes[3], sizes
     assert sizes[-1][1] == 0
+
+
+def test_graph_dropped_without_backward_is_freed():
+    # a head whose output is only logged: its graph is dropped without
+    # backward. Saved tensors the engine does not manage (smaller than the
+    # minimum size here) must not close a cycle through C++ (R10)
+    torch.manual_seed(0)
+    body, aux = nn.Linear(64, 64), nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+
+    def live_tensors():
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    counts = []
+    for _ in range(6):
+        with DTR(eviction_threshold='1GB'):
+            h = body(x).relu()
+            logged = aux(h).sigmoid().mean().item()  # noqa: F841
+            h.square().mean().backward()
+            del h
+        body.zero_grad(set_to_none=True)
+        counts.append(live_tensors())
+    assert counts[2] == counts[-1], counts
 
 
 def test_retain_graph_backward_twice_is_exact():
