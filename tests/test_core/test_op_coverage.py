@@ -303,3 +303,20 @@ def test_write_over_a_saved_chunk_still_refused():
                 s = a.sigmoid()  # saves its result (a new storage)
                 s.mul_(2)
                 s.sum().backward()
+
+
+def test_strided_nested_tensors_are_held(same_under_dtr):
+    # a nested tensor has no strides to rebuild a view from: held (R4);
+    # the engine crashed on it (an abort, from inside the dispatch mode)
+    lin = nn.Linear(8, 8)
+
+    def step():
+        lin.zero_grad()
+        nested = torch.nested.nested_tensor(
+            [torch.randn(3, 8), torch.randn(5, 8)], requires_grad=True)
+        out = torch.nested.to_padded_tensor(lin(nested).relu(), 0.0)
+        loss = (out * 2).exp().sum()
+        loss.backward()
+        return [loss, lin.weight.grad, lin.bias.grad]
+
+    same_under_dtr(step)
