@@ -66,6 +66,9 @@ class OpInfo(NamedTuple):
             nondeterministic on accelerators.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
+        factory_dtype (bool): Whether it is a factory (no tensor argument)
+            whose ``dtype=None`` means the default dtype at call time, which
+            a replay must not read again (R4).
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -77,6 +80,7 @@ class OpInfo(NamedTuple):
     full_overwrite: bool
     nondeterministic: bool
     fresh_returns: bool
+    factory_dtype: bool
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -133,7 +137,9 @@ def _classify(func) -> OpInfo:
         fresh_buffer=name.startswith(_FRESH_BUFFER_PREFIXES),
         full_overwrite=name in _FULL_OVERWRITE,
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
-        fresh_returns=all(r.alias_info is None for r in schema.returns))
+        fresh_returns=all(r.alias_info is None for r in schema.returns),
+        factory_dtype=any(a.name == 'dtype' and a.kwarg_only for a in args)
+        and not any('Tensor' in str(a.type) for a in args))
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

@@ -320,3 +320,26 @@ def test_strided_nested_tensors_are_held(same_under_dtr):
         return [loss, lin.weight.grad, lin.bias.grad]
 
     same_under_dtr(step)
+
+
+def test_factory_dtype_is_the_default_at_the_call(same_under_dtr):
+    # randn without dtype takes the default dtype when it runs; its replay
+    # after the default changed must not take the new one
+    w = torch.ones(16, 16, requires_grad=True)
+
+    def step():
+        w.grad = None
+        default = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(torch.float64)
+            noise = torch.randn(16, 16) * 1.0
+            y = (w * noise.float()).exp()  # saves the float copy
+            del noise
+            torch.set_default_dtype(torch.float32)
+            loss = (y * torch.arange(16.0)).sum()  # arange: float32 now
+            loss.backward()
+        finally:
+            torch.set_default_dtype(default)
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
