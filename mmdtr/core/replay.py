@@ -4,7 +4,9 @@ The replay half of :class:`~mmdtr.core.engine.EngineState` (one state
 object per engine; this mixin only groups its methods). Rules R4 and R6 of
 docs/design.md.
 """
+import contextlib
 import sys
+import threading
 
 import torch
 
@@ -13,6 +15,28 @@ from .records import (AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef,
                       detached_alias, view_of)
 
 Tensor = torch.Tensor
+
+_DEPTH = threading.Lock()
+_RAISED = [0, 0]  # rebuilds in progress, in all threads; the limit before
+
+
+@contextlib.contextmanager
+def _deep_recursion():
+    """Python's recursion limit at 20000 or more while any thread rebuilds
+    (a rebuild recurses along its chain). The limit is process-wide: the
+    last rebuild to end, in any thread, restores it (R12)."""
+    with _DEPTH:
+        if _RAISED[0] == 0:
+            _RAISED[1] = sys.getrecursionlimit()
+            sys.setrecursionlimit(max(_RAISED[1], 20000))
+        _RAISED[0] += 1
+    try:
+        yield
+    finally:
+        with _DEPTH:
+            _RAISED[0] -= 1
+            if _RAISED[0] == 0:
+                sys.setrecursionlimit(_RAISED[1])
 
 
 class Replayer:
@@ -52,12 +76,15 @@ class Replayer:
                 f'{version} (recomputable: {rec.lo}..{rec.hi}).',
                 'This is an engine bug (rule R7 should have kept it); '
                 'please report it with the model.')
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 20000))
         try:
-            storage = self._rebuild(rec, version)
-        finally:
-            sys.setrecursionlimit(limit)
+            with _deep_recursion():
+                storage = self._rebuild(rec, version)
+        except RecursionError as e:
+            raise MmdtrError(
+                f'rebuilding a storage of {rec.nbytes} bytes needs a chain '
+                "of recomputations deeper than Python's stack allows.",
+                'evict fewer storages in a row: raise eviction_threshold or '
+                'evictee_minimum_size.') from e
         rec.last_access = self.clock  # just rebuilt: fresh, not stale
         if version == rec.version and not rec.resident:
             self._register(storage, storage._cdata, rec)

@@ -2,6 +2,7 @@
 still visible, leave state behind, or leak records across iterations."""
 import copy
 import gc
+import sys
 import threading
 import weakref
 
@@ -305,6 +306,47 @@ def test_graph_dropped_without_backward_is_freed():
         body.zero_grad(set_to_none=True)
         counts.append(live_tensors())
     assert counts[2] == counts[-1], counts
+
+
+def test_too_deep_a_rebuild_chain_is_an_mmdtr_error():
+    # a 4200-op chain, all evicted: the first unpack rebuilds it by
+    # recursion, deeper than the stack allows
+    w = torch.randn(16, requires_grad=True)
+    limit = sys.getrecursionlimit()
+    with pytest.raises(MmdtrError, match='deeper than Python'):
+        with DTR(eviction_threshold=1, evictee_minimum_size=1):
+            x = w * 1.0
+            for _ in range(2100):
+                x = x.sin() * 1.01
+            x.sum().backward()
+    assert sys.getrecursionlimit() == limit
+
+
+def test_rebuilds_in_two_threads_restore_the_recursion_limit():
+    # the limit is process-wide: one thread restoring it under another one
+    # deep in a rebuild crashed the interpreter
+    limit = sys.getrecursionlimit()
+    errors = []
+
+    def work():
+        try:
+            w = torch.randn(16, requires_grad=True)
+            for _ in range(3):
+                with DTR(eviction_threshold=1, evictee_minimum_size=1):
+                    x = w * 1.0
+                    for _ in range(60):
+                        x = x.sin() * 1.01
+                    x.sum().backward()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sys.getrecursionlimit() == limit
 
 
 def test_retain_graph_backward_twice_is_exact():
