@@ -225,7 +225,12 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             {w.untyped_storage()._cdata
              for w in declared}) == 1) else None
         for w in declared:
-            self._after_write(w, mutation, info)
+            # a leaf that requires grad is written by an optimizer step: a
+            # parameter, held by its module, so its later versions are never
+            # rebuilt; recording each step would keep each gradient (R5)
+            self._after_write(
+                w, None if w.requires_grad and w.grad_fn is None else mutation,
+                info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info, declared=False)
         memory = self.memory_in_use()

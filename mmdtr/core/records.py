@@ -234,6 +234,14 @@ class StorageRecord:
         return (self.lo is not None and self.lo <= version
                 and (self.hi is None or version <= self.hi))
 
+    def make_unrecomputable(self) -> None:
+        """No version can be rebuilt any more: drop the recipe too, so that
+        what it holds (inputs, earlier records, their recipes) can go; in a
+        long scope a carried tensor would otherwise chain every iteration's
+        recipes together (R7, R10)."""
+        self.lo = self.hi = None
+        self.creator, self.mutations, self.inputs = None, [], []
+
     def add_input(self, rec) -> None:
         """Link this record to ``rec``, which its recipe reads (both ways).
         """

@@ -42,7 +42,7 @@ class Writes:
         unneeded = self._unneeded_from(rec)
         if unneeded is not None:
             for dead in unneeded:
-                dead.lo = dead.hi = None
+                dead.make_unrecomputable()
                 if dead.cand_index >= 0:
                     self._drop_candidate(dead)
             return
@@ -58,7 +58,7 @@ class Writes:
         for user in list(rec.users or ()):
             if user.lo is not None:  # may rebuild from an older version
                 self._freeze(user)  # of rec: its range goes last
-        rec.lo = rec.hi = None
+        rec.make_unrecomputable()
 
     @staticmethod
     def _unneeded_from(rec):

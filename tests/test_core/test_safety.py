@@ -349,6 +349,53 @@ def test_rebuilds_in_two_threads_restore_the_recursion_limit():
     assert sys.getrecursionlimit() == limit
 
 
+def test_state_carried_through_one_long_scope_is_freed():
+    # an EMA centre computed in grad mode and carried across iterations,
+    # with optimizer steps in the scope: the frozen records' recipes chained
+    # every iteration's inputs together until the scope ended (R7, R10)
+    torch.manual_seed(0)
+    model, head = nn.Linear(32, 32), nn.Linear(32, 1)
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.01)
+    inputs, centre = [], None
+    batches = [torch.randn(8, 16, 32) for _ in range(6)]  # a data loader's
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1):
+        for _ in range(6):
+            x = batches.pop(0)
+            inputs.append(weakref.ref(x))
+            h = model(x)
+            c = torch.zeros(32) if centre is None else centre
+            centre = c * 0.9 + h.detach().mean((0, 1)) * 0.1
+            loss = head(h - centre).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del x, h, loss
+            gc.collect()
+        assert sum(r() is not None for r in inputs) == 0
+
+
+def test_model_built_in_scope_does_not_keep_every_step():
+    # parameters allocated in scope are records; each optimizer step wrote
+    # them with a replayable op and kept its gradient (R5)
+    def live_bytes():
+        gc.collect()
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor))
+
+    sizes = []
+    with DTR(eviction_threshold='1GB'):
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(8, 256)
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+            sizes.append(live_bytes())
+    assert sizes[2] == sizes[-1], sizes
+
+
 def test_retain_graph_backward_twice_is_exact():
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
