@@ -11,6 +11,7 @@ import threading
 import torch
 
 from mmdtr.errors import MmdtrError
+from .op_semantics import op_info
 from .records import (AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef,
                       detached_alias, view_of)
 
@@ -169,6 +170,20 @@ class Replayer:
         return a
 
     def _run_with_rng(self, node, args, kwargs):
+        gen, state = node.rng
+        names = op_info(node.func).arg_names
+        if gen is None and 'generator' in names:
+            # it drew from the default CPU generator: the replay draws from
+            # a private copy of that state, so neither the default stream
+            # nor another thread drawing from it meanwhile is touched (R6)
+            private = torch.Generator()
+            private.set_state(state)
+            index = names.index('generator')
+            if index < len(args):
+                args = (*args[:index], private, *args[index + 1:])
+            else:
+                kwargs = dict(kwargs, generator=private)
+            return self._run(node.func, args, kwargs, (private, state))
         saved = self._set_rng(node.rng)
         try:
             return self._run(node.func, args, kwargs, node.rng)

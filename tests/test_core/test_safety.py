@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mmdtr import dtr
 from mmdtr.core.engine import EngineState
@@ -394,6 +395,25 @@ def test_model_built_in_scope_does_not_keep_every_step():
             opt.step()
             sizes.append(live_bytes())
     assert sizes[2] == sizes[-1], sizes
+
+
+def test_replays_leave_the_default_generator_alone(monkeypatch):
+    # a replay of dropout draws from a private copy of the recorded state:
+    # setting the process-wide generator, even briefly, let another thread
+    # drawing at that moment change the rebuilt mask and lose its draws
+    real, calls = torch.set_rng_state, []
+
+    def spy(state):
+        calls.append(1)
+        real(state)
+
+    monkeypatch.setattr(torch, 'set_rng_state', spy)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        F.dropout(x.exp(), 0.5).sin().sum().backward()
+    assert engine.stats.recomputations > 0
+    assert calls == []
 
 
 def test_retain_graph_backward_twice_is_exact():
