@@ -191,9 +191,10 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
         info = op_info(func)
-        writes, n_declared, scratch = (), 0, ()
+        writes, n_declared, scratch, seen = (), 0, (), ()
         if info.written_args or info.side_effect_args:
-            writes, n_declared, scratch = self._writes(info, args, kwargs)
+            writes, n_declared, scratch, seen = self._writes(
+                info, args, kwargs)
             for w in writes:
                 self._before_write(w)
         rng = self._capture_rng(args, kwargs) if info.random else None
@@ -231,8 +232,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             self._after_write(
                 w, None if w.requires_grad and w.grad_fn is None else mutation,
                 info)
-        for w in writes[n_declared:]:  # never replayed: caps hi (R5)
-            self._after_write(w, None, info, declared=False)
+        for i in range(n_declared, len(writes)):  # never replayed (R5)
+            self._after_write(writes[i], None, info, seen[i])
         memory = self.memory_in_use()
         if self.cuda and memory > self.peak:
             self.peak = memory
@@ -250,8 +251,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         info = op_info(func)
         writes = ()
         if info.written_args or info.side_effect_args:
-            writes, n_declared, _ = self._writes(info, args, kwargs)
-            writes = [(w, i < n_declared) for i, w in enumerate(writes)
+            writes, _, _, seen = self._writes(info, args, kwargs)
+            writes = [(w, seen[i]) for i, w in enumerate(writes)
                       if _has_storage(w)]
             for w, _ in writes:
                 self._before_write(w)
@@ -268,13 +269,16 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         writes = _tensors_in(
             get_arg(info, args, kwargs, i) for i in info.written_args)
         n_declared, scratch = len(writes), ()
+        seen = [True] * n_declared  # by autograd: annotated writes (R10)
         if info.side_effect_args and (info.batch_norm_training_arg is None
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
             scratch = info.side_effect_args
-            writes += _tensors_in(
-                get_arg(info, args, kwargs, i) for i in scratch)
-        return writes, n_declared, scratch
+            for i in scratch:
+                written = _tensors_in([get_arg(info, args, kwargs, i)])
+                writes += written
+                seen += [i not in info.unannotated_args] * len(written)
+        return writes, n_declared, scratch, seen
 
     def _register_outputs(self, out, args, kwargs, fresh_returns):
         """Register the storages the call allocated; return them (R11).

@@ -69,6 +69,9 @@ class OpInfo(NamedTuple):
         factory_dtype (bool): Whether it is a factory (no tensor argument)
             whose ``dtype=None`` means the default dtype at call time, which
             a replay must not read again (R4).
+        unannotated_args (frozenset): Indices among ``side_effect_args``
+            written without an alias annotation (``native_batch_norm``'s
+            running statistics): autograd does not bump their versions.
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -81,6 +84,7 @@ class OpInfo(NamedTuple):
     nondeterministic: bool
     fresh_returns: bool
     factory_dtype: bool
+    unannotated_args: frozenset
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -139,7 +143,10 @@ def _classify(func) -> OpInfo:
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
         factory_dtype=any(a.name == 'dtype' and a.kwarg_only for a in args)
-        and not any('Tensor' in str(a.type) for a in args))
+        and not any('Tensor' in str(a.type) for a in args),
+        unannotated_args=frozenset(
+            i for i in side_effects
+            if args[i].alias_info is None or not args[i].alias_info.is_write))
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

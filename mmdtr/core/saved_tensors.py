@@ -8,7 +8,7 @@ and R10 of docs/design.md.
 import time
 
 from .overlap import views_overlap
-from .records import detached_alias, managed, view_meta, view_of
+from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 
 
 class SavedHandle:
@@ -27,14 +27,18 @@ class HeldSaved:
     """A saved tensor the engine does not manage, kept with the version
     autograd would check (hooks turn autograd's own check off).
 
-    Kept as a detached alias, which shares the version counter: the tensor
-    itself would close a cycle through C++ (its ``grad_fn`` saves it, for
-    a saved output) that Python's garbage collector cannot see (R10).
+    A plain tensor is kept as a detached alias, which shares the version
+    counter: the tensor itself would close a cycle through C++ (its
+    ``grad_fn`` saves it, for a saved output) that Python's garbage
+    collector cannot see (R10). A subclass is kept as it is: detached below
+    its ``__torch_dispatch__`` it would lose its data.
     """
     __slots__ = ('tensor', 'version')
 
     def __init__(self, tensor):
-        self.tensor, self.version = detached_alias(tensor), tensor._version
+        self.version = tensor._version
+        self.tensor = detached_alias(tensor) if type(tensor) in _PLAIN \
+            else tensor
 
 
 def _modified_error(shape, saved, now):
@@ -110,5 +114,6 @@ class SavedTensors:
         rec.handles -= 1
         if rec.handles == 0:
             rec.views.clear()
+            rec.saved_writes = None  # no handle left to check them
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)

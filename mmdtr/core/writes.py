@@ -50,8 +50,13 @@ class Writes:
             storage = rec.storage()
         elif rec.recomputable(rec.version):
             storage = self.materialize(rec, rec.version)
-        else:
-            return  # dead and unrecomputable: nothing can still need it
+        else:  # freed, and its current version cannot be rebuilt: its
+            # users that read an older version may still be asked for
+            for user in list(rec.users or ()):
+                if user.lo is not None:
+                    self._freeze(user)
+            rec.make_unrecomputable()
+            return
         rec.keepalive = storage  # pinned from here on
         if rec.cand_index >= 0:
             self._drop_candidate(rec)

@@ -343,3 +343,33 @@ def test_factory_dtype_is_the_default_at_the_call(same_under_dtr):
         return [loss, w.grad]
 
     assert same_under_dtr(step).recomputations > 0
+
+
+def test_foreach_write_to_a_saved_tensor_is_refused():
+    # foreach ops return nothing, but their list writes are annotated and
+    # eager bumps the version: the engine's check must see them (R10)
+    x = torch.randn(64, 64, requires_grad=True)
+    for dtr in (False, True):
+        with pytest.raises(RuntimeError, match='modified by an inplace'):
+            with DTR(eviction_threshold=1, evictee_minimum_size=1) if dtr \
+                    else torch.enable_grad():
+                h = x.exp()
+                y = h.sin()  # saves h
+                torch._foreach_add_([h], 1.0)
+                y.sum().backward()
+
+
+def test_saved_subclass_keeps_its_data():
+    # a wrapper subclass saved for backward is kept as it is: detached below
+    # its __torch_dispatch__ it would have no data
+    from torch.testing._internal.two_tensor import TwoTensor
+    grads = []
+    for dtr in (False, True):
+        torch.manual_seed(0)
+        t = TwoTensor(torch.randn(64), torch.randn(64)).requires_grad_()
+        with DTR(eviction_threshold='1GB', evictee_minimum_size=1) if dtr \
+                else torch.enable_grad():
+            (t * 1.0).sin().sum().backward()
+        grads.append(t.grad)
+    assert torch.equal(grads[0].a, grads[1].a)
+    assert torch.equal(grads[0].b, grads[1].b)

@@ -497,3 +497,30 @@ def test_bad_arguments_raise_clear_errors(kwargs, match):
         DTR(device='cpu', **kwargs)
     assert str(info.value).startswith('mmdtr: ')
     assert 'Hint:' in str(info.value)
+
+
+def test_freeze_reaches_users_of_a_freed_unrebuildable_record(same_under_dtr):
+    # R was freed after a write no recipe replays (its current version
+    # cannot be rebuilt); U read an older version of R and was evicted.
+    # When R's own input changes, U must be frozen (R7), not left to be
+    # rebuilt from the changed input
+    x = torch.randn(4096, requires_grad=True)
+
+    def setup():
+        return torch.randn(4096)  # external, written below
+
+    def step(outside):
+        x.grad = None
+        r = outside + x
+        u = r.exp()  # reads r at its first version
+        v = u.sin()  # saves u
+        torch._foreach_add_([r], 1.0)  # not replayable: caps r's versions
+        del r, u
+        for _ in range(3):
+            torch.randn(4096).exp()  # u is evicted
+        with torch.no_grad():
+            outside.add_(1.0)
+        v.sum().backward()
+        return [x.grad]
+
+    assert same_under_dtr(step, setup).evictions > 0
