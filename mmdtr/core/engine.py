@@ -381,9 +381,6 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 k: self._ref_arg(v, target)
                 for k, v in kwargs.items()
             }
-        if op_info(func).factory_dtype and kwargs.get('dtype') is None \
-                and isinstance(out, Tensor):
-            new_kwargs['dtype'] = out.dtype  # not the default at replay
         return OpNode(func, new_args, new_kwargs, cost, rng)
 
     def _ref_arg(self, a, target):

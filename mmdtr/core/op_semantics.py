@@ -66,9 +66,6 @@ class OpInfo(NamedTuple):
             nondeterministic on accelerators.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
-        factory_dtype (bool): Whether it is a factory (no tensor argument)
-            whose ``dtype=None`` means the default dtype at call time, which
-            a replay must not read again (R4).
         unannotated_args (frozenset): Indices among ``side_effect_args``
             written without an alias annotation (``native_batch_norm``'s
             running statistics): autograd does not bump their versions.
@@ -83,7 +80,6 @@ class OpInfo(NamedTuple):
     full_overwrite: bool
     nondeterministic: bool
     fresh_returns: bool
-    factory_dtype: bool
     unannotated_args: frozenset
 
 
@@ -142,8 +138,6 @@ def _classify(func) -> OpInfo:
         full_overwrite=name in _FULL_OVERWRITE,
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
-        factory_dtype=any(a.name == 'dtype' and a.kwarg_only for a in args)
-        and not any('Tensor' in str(a.type) for a in args),
         unannotated_args=frozenset(
             i for i in side_effects
             if args[i].alias_info is None or not args[i].alias_info.is_write))

@@ -106,12 +106,18 @@ class OpNode:
         kwargs (dict): Keyword arguments, likewise.
         cost (float): Cost of the call in FLOP-equivalents.
         rng (tuple | None): ``(generator, state)`` of a random op.
+
+    Attributes:
+        default_dtype (torch.dtype): The default dtype at the call, which
+            factories without a dtype and type promotion (``int * 0.5``)
+            read; a replay runs under it (R4).
     """
-    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng')
+    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng', 'default_dtype')
 
     def __init__(self, func, args, kwargs, cost, rng=None):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.cost, self.rng = cost, rng
+        self.default_dtype = torch.get_default_dtype()
 
     def refs(self):
         """Yield every reference among the arguments."""

@@ -40,6 +40,45 @@ def _deep_recursion():
                 sys.setrecursionlimit(_RAISED[1])
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """The default dtype as it was when the call was recorded (R4); set
+    only when it changed since, which is rare (it is process-wide)."""
+    now = torch.get_default_dtype()
+    if now is dtype:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(now)
+
+
+_TAKING_GENERATOR = {}
+
+
+def _taking_generator(func):
+    """``func``, or its overload with the same arguments plus a keyword-only
+    ``generator`` (``randn.generator`` for ``randn.default``); ``None`` if
+    there is none."""
+    if func in _TAKING_GENERATOR:
+        return _TAKING_GENERATOR[func]
+    names = op_info(func).arg_names
+    found = func if 'generator' in names else None
+    packet = func.overloadpacket
+    for name in packet.overloads() if found is None else ():
+        other = getattr(packet, name)
+        args = other._schema.arguments
+        if [a.name for a in args if a.name != 'generator'] == list(names) \
+                and any(a.name == 'generator' and a.kwarg_only
+                        for a in args):
+            found = other
+            break
+    _TAKING_GENERATOR[func] = found
+    return found
+
+
 class Replayer:
     """Rebuilds storages by replaying recipes; mixed into ``EngineState``.
 
@@ -126,9 +165,11 @@ class Replayer:
         # as recorded: below the dispatch mode, after autocast (the recorded
         # op is the cast one), and in grad mode (some ops return other
         # outputs without it: mkldnn_rnn_layer's workspace); no argument
-        # requires grad, so no graph is built (R4)
+        # requires grad, so no graph is built; under the default dtype of
+        # the call (R4)
         with torch.enable_grad(), torch._C._DisableTorchDispatch(), \
-                torch._C._DisableAutocast():
+                torch._C._DisableAutocast(), \
+                _default_dtype(node.default_dtype):
             if node.rng is None:
                 out = self._run(node.func, args, kwargs)
             else:
@@ -171,19 +212,21 @@ class Replayer:
 
     def _run_with_rng(self, node, args, kwargs):
         gen, state = node.rng
-        names = op_info(node.func).arg_names
-        if gen is None and 'generator' in names:
+        func = _taking_generator(node.func) if gen is None else None
+        if func is not None:
             # it drew from the default CPU generator: the replay draws from
-            # a private copy of that state, so neither the default stream
-            # nor another thread drawing from it meanwhile is touched (R6)
+            # a private copy of that state (through the overload that takes
+            # a generator: randn.generator for randn.default), so neither
+            # the default stream nor another thread drawing from it
+            # meanwhile is touched (R6)
             private = torch.Generator()
             private.set_state(state)
-            index = names.index('generator')
+            index = op_info(func).arg_names.index('generator')
             if index < len(args):
                 args = (*args[:index], private, *args[index + 1:])
             else:
                 kwargs = dict(kwargs, generator=private)
-            return self._run(node.func, args, kwargs, (private, state))
+            return self._run(func, args, kwargs, (private, state))
         saved = self._set_rng(node.rng)
         try:
             return self._run(node.func, args, kwargs, node.rng)

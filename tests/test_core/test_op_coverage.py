@@ -373,3 +373,26 @@ def test_saved_subclass_keeps_its_data():
         grads.append(t.grad)
     assert torch.equal(grads[0].a, grads[1].a)
     assert torch.equal(grads[0].b, grads[1].b)
+
+
+def test_type_promotion_reads_the_default_dtype_of_the_call(same_under_dtr):
+    # int * 0.5 is float in the default dtype of the moment: the replay,
+    # after the default changed, must run under the one of the call (R4)
+    w = torch.ones(32, 32, requires_grad=True)
+
+    def step():
+        w.grad = None
+        default = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(torch.float64)
+            scaled = torch.arange(32 * 32).view(32, 32) * 0.5  # float64
+            y = (w * scaled.float()).sin()  # saves the float32 copy
+            del scaled
+            torch.set_default_dtype(torch.float32)
+            loss = y.sum()
+            loss.backward()
+        finally:
+            torch.set_default_dtype(default)
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
