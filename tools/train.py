@@ -181,6 +181,7 @@ def main(argv=None):
         cfg = build_cfg(args)
         runner = build_runner(cfg)
     except MmdtrError as e:
+        close_dist(wait=False)  # a runner may have made the group
         print(f'{type(e).__name__}: {e}', file=sys.stderr)
         sys.exit(1)
     try:

@@ -19,6 +19,7 @@ keys again, and ``--cfg-options`` on them still take effect.
 import copy
 import difflib
 import inspect
+import types
 from typing import Callable, Dict, List
 
 from mmengine.config import Config
@@ -30,6 +31,8 @@ from mmdtr.registry import HOOKS
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
 #: key name -> name of the hook class its translator configures
 MEMORY_KEY_HOOKS: Dict[str, str] = {}
+#: hooks that may appear once in ``custom_hooks``
+ONCE_HOOKS = set()
 #: checks ``fn(cfg, custom_hooks)`` of the whole translated config
 CONFIG_CHECKS: List[Callable[[object, list], None]] = []
 #: attribute of a translated Config (not a key: never dumped or merged)
@@ -37,14 +40,16 @@ CONFIG_CHECKS: List[Callable[[object, list], None]] = []
 SOURCE_ATTR = '_mmdtr_source'
 
 
-def memory_key(name: str, hook: str) -> Callable:
+def memory_key(name: str, hook: str, once: bool = False) -> Callable:
     """Register the translator of config key ``name``.
 
     Args:
         name (str): The top-level config key, e.g. ``'dtr'``.
         hook (str): The name of the hook class it configures, e.g.
-            ``'DTRHook'``: the key and that hook in ``custom_hooks``, or two
-            such hooks, are refused together.
+            ``'DTRHook'``: the key and that hook in ``custom_hooks`` are
+            refused together.
+        once (bool): Whether two such hooks in ``custom_hooks`` are refused
+            too (one engine per process: ``DTRHook``). Defaults to False.
 
     Returns:
         Callable: A decorator taking ``fn(value) -> dict`` (the hook config).
@@ -62,6 +67,8 @@ def memory_key(name: str, hook: str) -> Callable:
                 hint='register each key once, in its adapter.')
         MEMORY_KEY_TRANSLATORS[name] = fn
         MEMORY_KEY_HOOKS[name] = hook
+        if once:
+            ONCE_HOOKS.add(hook)
         return fn
 
     return register
@@ -129,11 +136,11 @@ def translate_memory_keys(cfg: Config) -> Config:
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:
-    """Two of the keys' hooks of one class in ``custom_hooks``: refused."""
+    """Two hooks of a class registered ``once`` in ``custom_hooks``."""
     seen = {}
     for i, hook in enumerate(custom_hooks):
         name = hook_name(hook)
-        if name in MEMORY_KEY_HOOKS.values():
+        if name in ONCE_HOOKS:
             if name in seen:
                 raise MmdtrError(
                     f'custom_hooks[{seen[name]}] and custom_hooks[{i}] both '
@@ -153,10 +160,11 @@ def _check_hook_arguments(custom_hooks: list) -> None:
             HOOKS.get(hook['type'])
         if cls is None:  # not mmdtr's: MMEngine will name it
             continue
-        # MMEngine pops `priority` before building a hook
+        # MMEngine pops `priority` and the registry's `_scope_` first
         kwargs = {
             k: v
-            for k, v in hook.items() if k not in ('type', 'priority')
+            for k, v in hook.items()
+            if k not in ('type', 'priority', '_scope_')
         }
         accepted = list(inspect.signature(cls).parameters)
         unknown = [k for k in kwargs if k not in accepted]
@@ -187,13 +195,16 @@ def _refuse_near_misses(cfg) -> None:
     for key in cfg.keys():
         if key in MEMORY_KEY_TRANSLATORS or key.startswith('_'):
             continue
-        lowered = key.lower()
+        lowered, value = key.lower(), cfg[key]
+        if isinstance(value, (type, types.ModuleType, types.FunctionType)) \
+                or type(value).__name__.startswith('Lazy'):
+            continue  # an imported name (`from mmdet.models import DETR`)
         for name in MEMORY_KEY_TRANSLATORS:
             if name in cfg:
                 continue
-            if lowered == name or lowered.startswith(name + '_') or \
-                    difflib.SequenceMatcher(None, lowered,
-                                            name).ratio() >= 0.8:
+            close = len(name) > 4 and difflib.SequenceMatcher(
+                None, lowered, name).ratio() >= 0.8
+            if lowered == name or lowered.startswith(name + '_') or close:
                 raise MmdtrError(
                     f'{key}={cfg[key]!r}: is it the {name!r} key? mmdtr '
                     f'reads {sorted(MEMORY_KEY_TRANSLATORS)} and would '

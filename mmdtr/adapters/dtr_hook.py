@@ -32,7 +32,7 @@ from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
 KEY = 'dtr'
 
 
-@memory_key(KEY, hook='DTRHook')
+@memory_key(KEY, hook='DTRHook', once=True)
 def translate_dtr(value) -> dict:
     """Validate the ``dtr`` value and build the :class:`DTRHook` config.
 

@@ -274,6 +274,20 @@ def test_combinations_that_cannot_work_fail_at_translation(
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_legitimate_configs_are_not_refused(make_cfg, tmp_path):
+    # an imported class named like the key (new-style configs import
+    # `DETR`), a 4-letter key near 'dtr' (`detr`), two checkpointing hooks
+    # (per-module policies), a hook with a registry `_scope_`
+    from torch.nn import Identity as DETR
+    hooks = [
+        dict(type='mmdtr.ActivationCheckpointingHook', modules='a'),
+        dict(type='ActivationCheckpointingHook', modules='b', priority=40),
+        dict(type='DTRHook', eviction_threshold='1GB', _scope_='mmdtr'),
+    ]
+    cfg = make_cfg(tmp_path, DETR=DETR, detr=dict(x=1), custom_hooks=hooks)
+    assert translate_memory_keys(cfg).custom_hooks == hooks
+
+
 def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):
     # the key itself is there: a variable named after it is not a typo
     cfg = make_cfg(
