@@ -6,18 +6,27 @@ object per engine; this mixin only groups its methods): ``pack`` and
 and R10 of docs/design.md.
 """
 import time
+import weakref
 
 from .overlap import views_overlap
 from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 
 
 class SavedHandle:
-    """What autograd keeps instead of a managed saved tensor (R10)."""
-    __slots__ = ('state', 'record', 'key', 'version')
+    """What autograd keeps instead of a managed saved tensor (R10).
 
-    def __init__(self, state, record, key, version):
+    ``alias`` is a weak reference to the engine's alias made for it, which
+    shares the saved tensor's version counter, and ``alias_version`` that
+    counter at the save: while the storage stays resident this is autograd's
+    own check, writes after the engine's scope included.
+    """
+    __slots__ = ('state', 'record', 'key', 'version', 'alias', 'alias_version')
+
+    def __init__(self, state, record, key, version, alias=None):
         self.state, self.record, self.key = state, record, key
         self.version = version
+        self.alias = None if alias is None else weakref.ref(alias)
+        self.alias_version = None if alias is None else alias._version
 
     def __del__(self):
         self.state.release(self.record)
@@ -64,12 +73,13 @@ class SavedTensors:
                 or not rec.recomputable(rec.version):
             return HeldSaved(t)
         key = view_meta(t)
-        if key not in rec.views:
-            rec.views[key] = detached_alias(t)
+        alias = None
+        if key not in rec.views:  # else made from another tensor, whose
+            alias = rec.views[key] = detached_alias(t)  # counter it has
         rec.handles += 1
         rec.last_access = self.clock
         self._add_candidate(rec)
-        return SavedHandle(self, rec, key, rec.version)
+        return SavedHandle(self, rec, key, rec.version, alias)
 
     def unpack(self, handle):
         if isinstance(handle, HeldSaved):
@@ -82,6 +92,10 @@ class SavedTensors:
             return handle
         rec = handle.record
         rec.last_access = self.clock
+        alias = handle.alias() if handle.alias is not None else None
+        if alias is not None and alias._version != handle.alias_version:
+            raise _modified_error(handle.key[1], handle.alias_version,
+                                  alias._version)
         version = handle.version
         if rec.version != version:
             if any(v > version and views_overlap(meta, handle.key)
