@@ -269,7 +269,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         writes = _tensors_in(
             get_arg(info, args, kwargs, i) for i in info.written_args)
         n_declared, scratch = len(writes), ()
-        seen = [True] * n_declared  # by autograd: annotated writes (R10)
+        seen = [True] * n_declared  # versioned by autograd (R10)
         if info.side_effect_args and (info.batch_norm_training_arg is None
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
@@ -277,7 +277,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             for i in scratch:
                 written = _tensors_in([get_arg(info, args, kwargs, i)])
                 writes += written
-                seen += [i not in info.unannotated_args] * len(written)
+                seen += [i not in info.unversioned_args] * len(written)
         return writes, n_declared, scratch, seen
 
     def _register_outputs(self, out, args, kwargs, fresh_returns):

@@ -66,9 +66,11 @@ class OpInfo(NamedTuple):
             nondeterministic on accelerators.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
-        unannotated_args (frozenset): Indices among ``side_effect_args``
-            written without an alias annotation (``native_batch_norm``'s
-            running statistics): autograd does not bump their versions.
+        unversioned_args (frozenset): Indices among ``side_effect_args``
+            whose writes autograd does not version: all of them but the
+            lists of ``_foreach_`` ops (fused optimizer steps, batch norm's
+            running statistics, ``rrelu_with_noise``'s noise; checked
+            against eager by a test).
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -80,7 +82,7 @@ class OpInfo(NamedTuple):
     full_overwrite: bool
     nondeterministic: bool
     fresh_returns: bool
-    unannotated_args: frozenset
+    unversioned_args: frozenset
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -138,9 +140,8 @@ def _classify(func) -> OpInfo:
         full_overwrite=name in _FULL_OVERWRITE,
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
-        unannotated_args=frozenset(
-            i for i in side_effects
-            if args[i].alias_info is None or not args[i].alias_info.is_write))
+        unversioned_args=frozenset((
+        ) if name.startswith('_foreach_') else side_effects))
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

@@ -396,3 +396,19 @@ def test_type_promotion_reads_the_default_dtype_of_the_call(same_under_dtr):
         return [loss, w.grad]
 
     assert same_under_dtr(step).recomputations > 0
+
+
+def test_fused_step_on_a_saved_weight_made_in_scope(same_under_dtr):
+    # fused optimizer steps write their lists without bumping versions:
+    # eager raises nothing, so neither may the engine's check (R10)
+    def step():
+        w = torch.randn(16, 16, requires_grad=True)  # made in scope
+        x = torch.randn(8, 16, requires_grad=True)
+        loss = (x @ w).sum()  # saves w, for x's gradient
+        opt = torch.optim.SGD([w], lr=0.1, fused=True)
+        loss.backward(retain_graph=True)
+        opt.step()
+        loss.backward()
+        return [loss, w, w.grad, x.grad]
+
+    same_under_dtr(step)
