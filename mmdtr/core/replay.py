@@ -64,13 +64,14 @@ def _taking_generator(func):
     there is none."""
     if func in _TAKING_GENERATOR:
         return _TAKING_GENERATOR[func]
-    names = op_info(func).arg_names
-    found = func if 'generator' in names else None
+    found = func if 'generator' in op_info(func).arg_names else None
+    wanted = [(a.name, str(a.type)) for a in func._schema.arguments]
     packet = func.overloadpacket
     for name in packet.overloads() if found is None else ():
         other = getattr(packet, name)
         args = other._schema.arguments
-        if [a.name for a in args if a.name != 'generator'] == list(names) \
+        if [(a.name, str(a.type))
+                for a in args if a.name != 'generator'] == wanted \
                 and any(a.name == 'generator' and a.kwarg_only
                         for a in args):
             found = other
