@@ -120,3 +120,22 @@ def _same_under_dtr(step, setup=None):
 def same_under_dtr():
     """:func:`_same_under_dtr`: a step's tensors without and under DTR."""
     return _same_under_dtr
+
+
+def _refused_like_eager(step, match='modified by an inplace'):
+    """``step()`` raises a ``RuntimeError`` matching ``match`` plain and
+    under DTR with every storage evictable, as eager autograd does."""
+    for under_dtr in (False, True):
+        torch.manual_seed(0)
+        with pytest.raises(RuntimeError, match=match):
+            if under_dtr:
+                with DTR(eviction_threshold=1, evictee_minimum_size=1):
+                    step()
+            else:
+                step()
+
+
+@pytest.fixture
+def refused_like_eager():
+    """:func:`_refused_like_eager`: a step eager refuses, refused by DTR."""
+    return _refused_like_eager
