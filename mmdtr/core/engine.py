@@ -257,8 +257,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             for w, _ in writes:
                 self._before_write(w)
         out = func(*args, **kwargs)
-        for w, declared in writes:
-            self._after_write(w, None, info, declared)
+        for w, versioned in writes:
+            self._after_write(w, None, info, versioned)
         return out
 
     @staticmethod

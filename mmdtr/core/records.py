@@ -205,8 +205,8 @@ class StorageRecord:
         inputs (list): Records this one's recipe reads.
         keepalive: A strong reference to the storage of a frozen record.
         saved_writes (list | None): ``(version, view meta)`` of the writes
-            autograd sees (declared in the op's schema) made while the
-            record had saved-tensor handles (R10).
+            autograd versions made while the record had saved-tensor
+            handles (R10).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',

@@ -50,16 +50,12 @@ class Writes:
             storage = rec.storage()
         elif rec.recomputable(rec.version):
             storage = self.materialize(rec, rec.version)
-        else:  # freed, and its current version cannot be rebuilt: its
-            # users that read an older version may still be asked for
-            for user in list(rec.users or ()):
-                if user.lo is not None:
-                    self._freeze(user)
-            rec.make_unrecomputable()
-            return
-        rec.keepalive = storage  # pinned from here on
-        if rec.cand_index >= 0:
-            self._drop_candidate(rec)
+        else:  # freed, and its current version cannot be rebuilt; its
+            storage = None  # users that read an older one still can
+        if storage is not None:
+            rec.keepalive = storage  # pinned from here on
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
         for user in list(rec.users or ()):
             if user.lo is not None:  # may rebuild from an older version
                 self._freeze(user)  # of rec: its range goes last
@@ -83,15 +79,16 @@ class Writes:
                     stack.append(user)
         return list(seen.values())
 
-    def _after_write(self, t, node, info, declared=True):
+    def _after_write(self, t, node, info, versioned=True):
         """Version ``t``'s storage after a write; ``node`` replays it
-        (``None``: not replayable). ``declared``: the op's schema declares
-        the write, so autograd sees it (R10); batch norm's running
-        statistics are written undeclared."""
+        (``None``: not replayable). ``versioned``: autograd bumps the
+        version of what the call writes (not for fused optimizer steps or
+        batch norm's running statistics), so saved tensors check it (R10).
+        """
         rec = self.records.get(t.untyped_storage()._cdata)
         if rec is None:
             return
-        if declared and rec.handles:  # for SavedTensors.unpack (R10)
+        if versioned and rec.handles:  # for SavedTensors.unpack (R10)
             if rec.saved_writes is None:
                 rec.saved_writes = []
             rec.saved_writes.append((rec.version + 1, view_meta(t)))
