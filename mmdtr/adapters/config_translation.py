@@ -104,7 +104,10 @@ def translate_memory_keys(cfg: Config) -> Config:
         Config: The translated copy; ``cfg`` itself is left untouched.
 
     Raises:
-        MmdtrError: If any key has a bad value; nothing is changed then.
+        MmdtrError: If any key, or any of the keys' hooks in
+            ``custom_hooks``, has a bad value, a top-level key looks like a
+            misspelt memory key, or a registered :func:`config_check`
+            refuses a combination; nothing is changed then.
     """
     _refuse_near_misses(cfg)
     hooks = []
