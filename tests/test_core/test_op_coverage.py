@@ -322,9 +322,16 @@ def test_strided_nested_tensors_are_held(same_under_dtr):
     same_under_dtr(step)
 
 
-def test_factory_dtype_is_the_default_at_the_call(same_under_dtr):
-    # randn without dtype takes the default dtype when it runs; its replay
-    # after the default changed must not take the new one
+@pytest.mark.parametrize(
+    'make', [
+        lambda: torch.randn(16, 16) * 1.0,
+        lambda: torch.arange(16 * 16).view(16, 16) * 0.5,
+    ],
+    ids=['factory', 'promotion'])
+def test_replays_read_the_default_dtype_of_the_call(same_under_dtr, make):
+    # randn without a dtype, and int * 0.5, take the default dtype of the
+    # moment: a replay after the default changed must run under the one of
+    # the call (R4)
     w = torch.ones(16, 16, requires_grad=True)
 
     def step():
@@ -332,9 +339,9 @@ def test_factory_dtype_is_the_default_at_the_call(same_under_dtr):
         default = torch.get_default_dtype()
         try:
             torch.set_default_dtype(torch.float64)
-            noise = torch.randn(16, 16) * 1.0
-            y = (w * noise.float()).exp()  # saves the float copy
-            del noise
+            made = make()  # float64
+            y = (w * made.float()).exp()  # saves the float32 copy
+            del made
             torch.set_default_dtype(torch.float32)
             loss = (y * torch.arange(16.0)).sum()  # arange: float32 now
             loss.backward()
@@ -373,29 +380,6 @@ def test_saved_subclass_keeps_its_data():
         grads.append(t.grad)
     assert torch.equal(grads[0].a, grads[1].a)
     assert torch.equal(grads[0].b, grads[1].b)
-
-
-def test_type_promotion_reads_the_default_dtype_of_the_call(same_under_dtr):
-    # int * 0.5 is float in the default dtype of the moment: the replay,
-    # after the default changed, must run under the one of the call (R4)
-    w = torch.ones(32, 32, requires_grad=True)
-
-    def step():
-        w.grad = None
-        default = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(torch.float64)
-            scaled = torch.arange(32 * 32).view(32, 32) * 0.5  # float64
-            y = (w * scaled.float()).sin()  # saves the float32 copy
-            del scaled
-            torch.set_default_dtype(torch.float32)
-            loss = y.sum()
-            loss.backward()
-        finally:
-            torch.set_default_dtype(default)
-        return [loss, w.grad]
-
-    assert same_under_dtr(step).recomputations > 0
 
 
 def test_fused_step_on_a_saved_weight_made_in_scope(same_under_dtr):
