@@ -18,8 +18,8 @@ from .cost_model import op_cost
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
 from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
-                      SelfRef, StorageRecord, detached_alias, managed,
-                      view_meta)
+                      SelfRef, StorageRecord, UserRefs, detached_alias,
+                      managed, view_meta)
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes
@@ -102,7 +102,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         self.records = {}  # storage address -> StorageRecord (R11)
         # storage address -> _StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
-        # external storage address -> (WeakSet of users, weakref to it)
+        # external storage address -> (UserRefs of users, weakref to it)
         self.external_users = {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
@@ -325,18 +325,14 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
-                    entry = self.external_users[storage._cdata] = (
-                        weakref.WeakSet(),
-                        weakref.ref(storage,
-                                    self._make_forget(storage._cdata)))
+                    wref = _StorageRef(storage, self._forget_external)
+                    wref.cdata, wref.nbytes = storage._cdata, 0
+                    entry = self.external_users[storage._cdata] = (UserRefs(),
+                                                                   wref)
                 entry[0].add(rec)
 
-    def _make_forget(self, cdata):
-
-        def forget(_):
-            self.external_users.pop(cdata, None)
-
-        return forget
+    def _forget_external(self, wref):
+        self.external_users.pop(wref.cdata, None)
 
     def _run(self, func, args, kwargs, rng=None):
         """Run an op; on CUDA, evict and retry while it runs out of memory.

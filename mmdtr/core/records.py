@@ -177,6 +177,41 @@ class EvictedClass:
         return self
 
 
+class UserRefs(list):
+    """Weak references to the records whose recipes read one record.
+
+    Lighter than a ``weakref.WeakSet`` (one list and one reference per user,
+    no callbacks), which matters on the hot path (R1): dead references are
+    dropped when the list has doubled since the last pruning, so adding
+    stays O(1) amortized and a record read every iteration of a long scope
+    does not grow it without bound.
+    """
+    __slots__ = ('prune_at', )
+
+    def __init__(self):
+        super().__init__()
+        self.prune_at = 8
+
+    def add(self, record) -> None:
+        if len(self) >= self.prune_at:
+            self[:] = [ref for ref in self if ref() is not None]
+            self.prune_at = max(8, 2 * len(self))
+        self.append(weakref.ref(record))
+
+    def live(self) -> list:
+        """The users still alive, each once."""
+        if len(self) == 1:
+            user = self[0]()
+            return [] if user is None else [user]
+        users, seen = [], set()
+        for ref in self:
+            user = ref()
+            if user is not None and id(user) not in seen:
+                seen.add(id(user))
+                users.append(user)
+        return users
+
+
 class StorageRecord:
     """The engine's record of one storage allocated while it is active.
 
@@ -192,17 +227,18 @@ class StorageRecord:
         creator (OpNode | AllocNode | None): The producing call.
         out_index (int): Which output of ``creator`` this storage is.
         base (int): Version the creator's output has.
-        mutations (list): In-place writes; ``mutations[i]`` makes version
-            ``base + i + 1``.
+        mutations (list | tuple): In-place writes; ``mutations[i]`` makes
+            version ``base + i + 1`` (an empty tuple until the first).
         version (int): Current version (number of writes seen).
         lo (int | None), hi (int | None): Versions ``lo..hi`` can be
             recomputed; ``lo is None``: none can; ``hi is None``: no bound.
         cost (float): Cost of the creator and the writes.
         last_access (int): Clock of the last use.
         remat_count (int): Times recomputed.
-        users (weakref.WeakSet | None): Records whose recipes read this
-            one; ``None`` until the first (most records never get one).
-        inputs (list): Records this one's recipe reads.
+        users (UserRefs | None): Weak references to the records whose
+            recipes read this one; ``None`` until the first.
+        inputs (list | tuple): Records this one's recipe reads (an empty
+            tuple until the first).
         keepalive: A strong reference to the storage of a frozen record.
         saved_writes (list | None): ``(version, view meta)`` of the writes
             autograd versions made while the record had saved-tensor
@@ -221,7 +257,7 @@ class StorageRecord:
         self.views = {}
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
-        self.mutations, self.inputs = [], []
+        self.mutations = self.inputs = ()  # lists from the first entry
         self.users = self.saved_writes = None
         self.cost = 0.0
         self.last_access = clock
@@ -246,22 +282,29 @@ class StorageRecord:
         long scope a carried tensor would otherwise chain every iteration's
         recipes together (R7, R10)."""
         self.lo = self.hi = None
-        self.creator, self.mutations, self.inputs = None, [], []
+        self.creator, self.mutations, self.inputs = None, (), ()
 
     def add_input(self, rec) -> None:
         """Link this record to ``rec``, which its recipe reads (both ways).
         """
         if rec.users is None:
-            rec.users = weakref.WeakSet()
+            rec.users = UserRefs()
         rec.users.add(self)
-        self.inputs.append(rec)
+        if self.inputs:
+            self.inputs.append(rec)
+        else:
+            self.inputs = [rec]
+
+    def live_users(self) -> list:
+        """The records alive whose recipes read this one."""
+        return self.users.live() if self.users is not None else []
 
     # DTR's evicted equivalence classes (union-find, split on rebuild) ----
     def evicted_neighbours(self):
         for rec in self.inputs:
             if rec.evicted_class is not None and not rec.resident:
                 yield rec
-        for rec in self.users or ():
+        for rec in self.live_users():
             if rec.evicted_class is not None and not rec.resident:
                 yield rec
 

@@ -21,13 +21,13 @@ class Writes:
         if rec is not None:
             if rec.recomputable(rec.version) or not rec.users:
                 return
-            users = rec.users
+            users = rec.live_users()
         else:
             entry = self.external_users.get(cdata)
             if entry is None:
                 return
-            users = entry[0]
-        for user in list(users):
+            users = entry[0].live()
+        for user in users:
             self._freeze(user)
 
     def _freeze(self, rec):
@@ -56,7 +56,7 @@ class Writes:
             rec.keepalive = storage  # pinned from here on
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
-        for user in list(rec.users or ()):
+        for user in rec.live_users():
             if user.lo is not None:  # may rebuild from an older version
                 self._freeze(user)  # of rec: its range goes last
         rec.make_unrecomputable()
@@ -72,7 +72,7 @@ class Writes:
             r = stack.pop()
             if r.handles:
                 return None
-            for user in r.users or ():
+            for user in r.live_users():
                 if user.lo is not None and user.keepalive is None \
                         and id(user) not in seen:
                     seen[id(user)] = user
@@ -97,11 +97,14 @@ class Writes:
                 and tensor_bytes(t) == rec.nbytes:
             # an uninitialized storage is now fully determined (R5)
             rec.creator = AllocNode(rec.nbytes, rec.device)
-            rec.base, rec.mutations, rec.lo = rec.version, [], rec.version
+            rec.base, rec.mutations, rec.lo = rec.version, (), rec.version
             rec.cost = 1.0
         rec.version += 1
         if node is not None and rec.recomputable(rec.version - 1):
-            rec.mutations.append(node)
+            if rec.mutations:
+                rec.mutations.append(node)
+            else:
+                rec.mutations = [node]
             rec.cost += node.cost
             self._link(rec, node)
         elif rec.lo is not None and rec.hi is None:

@@ -270,18 +270,20 @@ def test_records_do_not_grow_across_iterations():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     x = torch.randn(128, 64)
-    sizes = []
+    sizes, lengths = [], []
     with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
-        for _ in range(4):
+        for _ in range(12):
             model.zero_grad(set_to_none=True)
             model(x).square().sum().backward()
             state = engine._state
-            sizes.append(
-                (len(state.records), len(state.candidates),
-                 sum(len(users)
-                     for users, _ in state.external_users.values())))
-    assert sizes[1] == sizes[2] == sizes[3], sizes
+            users = [users for users, _ in state.external_users.values()]
+            sizes.append((len(state.records), len(state.candidates),
+                          sum(len(u.live()) for u in users)))
+            lengths.append(max(len(u) for u in users))
+    assert len(set(sizes[1:])) == 1, sizes
     assert sizes[-1][1] == 0
+    # dead users' references are pruned: the lists stay short
+    assert max(lengths) <= 2 * max(8, max(s[2] for s in sizes)), lengths
 
 
 def test_graph_dropped_without_backward_is_freed():
