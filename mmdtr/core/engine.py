@@ -197,6 +197,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 info, args, kwargs)
             for w in writes:
                 self._before_write(w)
+            if info.swaps_storage:
+                return self._run_set(func, args, kwargs, writes[0])
         rng = self._capture_rng(args, kwargs) if info.random else None
         out = self._run(func, args, kwargs, rng)
         self.clock += 1
@@ -301,15 +303,18 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 continue  # not a tensor, or held: see managed()
             storage = o.untyped_storage()
             cdata = storage._cdata
-            if cdata in records:
-                continue  # a view or write of a storage we know
+            if cdata in records:  # a view or write of a storage we know;
+                if fresh_returns:  # unannotated: its own version counter
+                    records[cdata].split_counters = True  # (R10)
+                continue
             if not fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
                     inputs = _input_storages(args, kwargs)
                 if cdata in inputs:
                     continue  # a view of an external storage
-            if o.is_meta or not storage.nbytes():
-                continue  # nothing real
+            if o.is_meta:
+                continue  # nothing real (empty storages are: out= grows
+                # them, R11)
             new.append((i, self._register(storage, cdata)))
         return new
 

@@ -71,6 +71,8 @@ class OpInfo(NamedTuple):
             lists of ``_foreach_`` ops (fused optimizer steps, batch norm's
             running statistics, ``rrelu_with_noise``'s noise; checked
             against eager by a test).
+        swaps_storage (bool): Whether the op points ``self`` at another
+            storage (``set_``).
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -83,6 +85,7 @@ class OpInfo(NamedTuple):
     nondeterministic: bool
     fresh_returns: bool
     unversioned_args: frozenset
+    swaps_storage: bool
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -141,7 +144,8 @@ def _classify(func) -> OpInfo:
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
         unversioned_args=frozenset((
-        ) if name.startswith('_foreach_') else side_effects))
+        ) if name.startswith('_foreach_') else side_effects),
+        swaps_storage=name == 'set_')
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

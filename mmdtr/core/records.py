@@ -242,13 +242,17 @@ class StorageRecord:
         keepalive: A strong reference to the storage of a frozen record.
         saved_writes (list | None): ``(version, view meta)`` of the writes
             autograd versions made while the record had saved-tensor
-            handles (R10).
+            handles; meta ``None``: the whole storage (R10).
+        split_counters (bool): Whether some alias of the storage has a
+            version counter of its own (outputs of ``unsafe_split``,
+            ``_unsafe_view``, a tensor ``set_`` onto it); else every tensor
+            on it shares one counter, as views do (R10).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
                  'cand_index', 'evicted_class', 'keepalive', 'saved_writes',
-                 '__weakref__')
+                 'split_counters', '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes, self.device = nbytes, device
@@ -259,6 +263,7 @@ class StorageRecord:
         self.remat_count = 0
         self.mutations = self.inputs = ()  # lists from the first entry
         self.users = self.saved_writes = None
+        self.split_counters = False
         self.cost = 0.0
         self.last_access = clock
         self.cand_index = -1

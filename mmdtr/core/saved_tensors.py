@@ -98,14 +98,16 @@ class SavedTensors:
                                   alias._version)
         version = handle.version
         if rec.version != version:
-            if any(v > version and views_overlap(meta, handle.key)
+            if any(v > version and (
+                    meta is None or not rec.split_counters
+                    or views_overlap(meta, handle.key))
                    for v, meta in rec.saved_writes or ()):
                 # written since it was saved: eager autograd refuses too
                 # (a write through .data, which it allows, is refused)
                 raise _modified_error(handle.key[1], version, rec.version)
-            # only writes autograd does not see (side effects) or that
-            # missed the saved elements (unsafe_chunk siblings, which have
-            # their own version counters): eager hands it out as it is now
+            # only writes autograd does not see (side effects), or that
+            # missed the saved elements through an alias with a counter of
+            # its own (unsafe_chunk's gates): eager hands it out as it is
             version = rec.version
         t = rec.views.get(handle.key)
         if t is not None:

@@ -7,6 +7,14 @@ docs/design.md.
 from .cost_model import tensor_bytes
 from .records import AllocNode, view_meta
 
+#: A record's mutation log stops growing here once nothing can ask for its
+#: older versions: the record is made unrecomputable instead (kept while
+#: alive). A tensor carried across the iterations of one long scope and
+#: written in place each time (an EMA centre, an RNN state) would otherwise
+#: keep every iteration's inputs. Chains of in-place ops within a forward
+#: (``out += identity; out.relu_()``) are far shorter (R5).
+MAX_MUTATIONS = 8
+
 
 class Writes:
     """Versions storages across in-place writes; mixed into ``EngineState``.
@@ -41,10 +49,7 @@ class Writes:
             return
         unneeded = self._unneeded_from(rec)
         if unneeded is not None:
-            for dead in unneeded:
-                dead.make_unrecomputable()
-                if dead.cand_index >= 0:
-                    self._drop_candidate(dead)
+            self._forget_recipes(unneeded)
             return
         if rec.resident:
             storage = rec.storage()
@@ -60,6 +65,12 @@ class Writes:
             if user.lo is not None:  # may rebuild from an older version
                 self._freeze(user)  # of rec: its range goes last
         rec.make_unrecomputable()
+
+    def _forget_recipes(self, records):
+        for rec in records:
+            rec.make_unrecomputable()
+            if rec.cand_index >= 0:
+                self._drop_candidate(rec)
 
     @staticmethod
     def _unneeded_from(rec):
@@ -79,19 +90,31 @@ class Writes:
                     stack.append(user)
         return list(seen.values())
 
-    def _after_write(self, t, node, info, versioned=True):
+    def _after_write(self, t, node, info, versioned=True, cdata=None):
         """Version ``t``'s storage after a write; ``node`` replays it
         (``None``: not replayable). ``versioned``: autograd bumps the
         version of what the call writes (not for fused optimizer steps or
         batch norm's running statistics), so saved tensors check it (R10).
+        ``cdata``: the storage written, when it is no longer ``t``'s
+        (``set_``); all of it counts as written.
         """
-        rec = self.records.get(t.untyped_storage()._cdata)
+        swapped = cdata is not None
+        if not swapped:
+            storage = t.untyped_storage()
+            cdata = storage._cdata
+        rec = self.records.get(cdata)
         if rec is None:
             return
         if versioned and rec.handles:  # for SavedTensors.unpack (R10)
             if rec.saved_writes is None:
                 rec.saved_writes = []
-            rec.saved_writes.append((rec.version + 1, view_meta(t)))
+            rec.saved_writes.append(
+                (rec.version + 1, None if swapped else view_meta(t)))
+        if not swapped and storage.nbytes() != rec.nbytes:
+            # resized in place (resize_, out= into a smaller tensor): the
+            # meter follows (R11); no recipe rebuilds the new size (R5)
+            self._resized(rec, storage.nbytes())
+            node = None
         if node is not None and rec.lo is None and info.full_overwrite \
                 and t.is_contiguous() and t.storage_offset() == 0 \
                 and tensor_bytes(t) == rec.nbytes:
@@ -101,6 +124,11 @@ class Writes:
             rec.cost = 1.0
         rec.version += 1
         if node is not None and rec.recomputable(rec.version - 1):
+            if len(rec.mutations) >= MAX_MUTATIONS:
+                unneeded = self._unneeded_from(rec)
+                if unneeded is not None:  # a state carried across
+                    self._forget_recipes(unneeded)  # iterations (R5)
+                    return
             if rec.mutations:
                 rec.mutations.append(node)
             else:
@@ -111,3 +139,25 @@ class Writes:
             rec.hi = rec.version - 1  # older versions stay recomputable
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
+
+    def _resized(self, rec, nbytes):
+        self.in_use += nbytes - rec.nbytes
+        rec.nbytes = nbytes
+        if self.in_use > self.peak and not self.cuda:
+            self.peak = self.in_use
+
+    def _run_set(self, func, args, kwargs, t):
+        """Run ``t.set_(...)``, which points ``t`` at another storage.
+
+        The old storage counts as written: autograd bumps ``t``'s version
+        counter, which the views saved from it share. The new storage gains
+        an alias with a counter of its own (R5, R10).
+        """
+        old = t.untyped_storage()._cdata
+        out = func(*args, **kwargs)
+        self.clock += 1
+        self._after_write(t, None, None, cdata=old)
+        rec = self.records.get(t.untyped_storage()._cdata)
+        if rec is not None and rec.cdata != old:
+            rec.split_counters = True
+        return out

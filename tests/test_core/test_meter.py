@@ -140,3 +140,28 @@ def test_meter_counts_rebuilt_storages_between_ops(monkeypatch):
             assert abs(live[i] - metered) <= 2**16, (live[i], metered)
             checked += 1
     assert checked > len(samples) // 2
+
+
+def test_meter_follows_storages_grown_in_place():
+    # out= into an empty tensor and resize_ grow a storage after it was
+    # counted: the meter kept the size it first saw (R11)
+    a = torch.randn(256, 256)
+
+    def grow(kind):
+        with DTR(eviction_threshold=2**40, evictee_minimum_size=1) as e:
+            if kind == 'out':
+                buf = torch.empty(0)
+                torch.mul(a, a, out=buf)
+            else:
+                buf = a * 1.0
+                buf.resize_(1024, 256)
+            live = buf.untyped_storage().nbytes()
+            in_use = e._state.in_use
+        return e.stats.peak_memory, in_use, live
+
+    for kind in ('out', 'resize_'):
+        (peak, in_use, live), profiled = measure_peak_memory(grow, kind)
+        assert in_use == live, kind
+        # resize_ holds the old and the new buffer together for its copy,
+        # which only the profiler sees (inside one op)
+        assert live <= peak <= profiled, kind

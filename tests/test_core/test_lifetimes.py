@@ -1,0 +1,158 @@
+"""Lifetimes (R10): nothing the engine keeps grows across iterations,
+whether each iteration has its own scope or one scope spans them all
+(``dtr.enable()``)."""
+import gc
+import weakref
+
+import torch
+import torch.nn as nn
+
+from mmdtr.dtr import DTR
+
+
+def test_records_do_not_grow_across_iterations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(128, 64)
+    sizes, lengths = [], []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        for _ in range(12):
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+            state = engine._state
+            users = [users for users, _ in state.external_users.values()]
+            sizes.append((len(state.records), len(state.candidates),
+                          sum(len(u.live()) for u in users)))
+            lengths.append(max(len(u) for u in users))
+    assert len(set(sizes[1:])) == 1, sizes
+    assert sizes[-1][1] == 0
+    # dead users' references are pruned: the lists stay short
+    assert max(lengths) <= 2 * max(8, max(s[2] for s in sizes)), lengths
+
+
+def test_graph_dropped_without_backward_is_freed():
+    # a head whose output is only logged: its graph is dropped without
+    # backward. Saved tensors the engine does not manage (smaller than the
+    # minimum size here) must not close a cycle through C++ (R10)
+    torch.manual_seed(0)
+    body, aux = nn.Linear(64, 64), nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+
+    def live_tensors():
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    counts = []
+    for _ in range(6):
+        with DTR(eviction_threshold='1GB'):
+            h = body(x).relu()
+            logged = aux(h).sigmoid().mean().item()  # noqa: F841
+            h.square().mean().backward()
+            del h
+        body.zero_grad(set_to_none=True)
+        counts.append(live_tensors())
+    assert counts[2] == counts[-1], counts
+
+
+def test_state_carried_through_one_long_scope_is_freed():
+    # an EMA centre computed in grad mode and carried across iterations,
+    # with optimizer steps in the scope: the frozen records' recipes chained
+    # every iteration's inputs together until the scope ended (R7, R10)
+    torch.manual_seed(0)
+    model, head = nn.Linear(32, 32), nn.Linear(32, 1)
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.01)
+    inputs, centre = [], None
+    batches = [torch.randn(8, 16, 32) for _ in range(6)]  # a data loader's
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1):
+        for _ in range(6):
+            x = batches.pop(0)
+            inputs.append(weakref.ref(x))
+            h = model(x)
+            c = torch.zeros(32) if centre is None else centre
+            centre = c * 0.9 + h.detach().mean((0, 1)) * 0.1
+            loss = head(h - centre).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del x, h, loss
+            gc.collect()
+        assert sum(r() is not None for r in inputs) == 0
+
+
+def test_model_built_in_scope_does_not_keep_every_step():
+    # parameters allocated in scope are records; each optimizer step wrote
+    # them with a replayable op and kept its gradient (R5)
+    def live_bytes():
+        gc.collect()
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor))
+
+    sizes = []
+    with DTR(eviction_threshold='1GB'):
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(8, 256)
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+            sizes.append(live_bytes())
+    assert sizes[2] == sizes[-1], sizes
+
+
+def test_state_written_in_place_each_iteration_keeps_no_inputs():
+    # an EMA centre updated in place, in one long scope: its mutation log
+    # grew by each update and its recipe kept every iteration's batch (R5)
+    torch.manual_seed(0)
+    backbone = nn.Linear(32, 32).requires_grad_(False)
+    head = nn.Linear(32, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    inputs, centre = [], None
+    batches = [torch.randn(8, 16, 32) for _ in range(20)]
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1):
+        for _ in range(20):
+            x = batches.pop(0)
+            inputs.append(weakref.ref(x))
+            h = backbone(x)
+            feat = h.detach().mean((0, 1))
+            if centre is None:
+                centre = feat.clone()
+            else:
+                centre.mul_(0.9).add_(feat, alpha=0.1)
+            loss = head(h - centre).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del x, h, feat, loss
+            gc.collect()
+        assert sum(r() is not None for r in inputs) <= 1
+
+
+def test_state_overwritten_each_iteration_stays_bounded():
+    # truncated backpropagation through time: the state is copied over at
+    # the end of each iteration; each copy_ kept that iteration's last
+    # hidden state (R5). At most MAX_MUTATIONS of them are kept now.
+    from mmdtr.core.writes import MAX_MUTATIONS
+    torch.manual_seed(0)
+    cell, head = nn.GRUCell(16, 16), nn.Linear(16, 1)
+    opt = torch.optim.SGD([*cell.parameters(), *head.parameters()], lr=0.01)
+    finals, alive = [], []
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1):
+        state = torch.zeros(4, 16) * 1.0
+        for _ in range(3 * MAX_MUTATIONS):
+            x = torch.randn(4, 5, 16)
+            h = state.clone()
+            for t in range(5):
+                h = cell(x[:, t], h)
+            loss = head(h).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            finals.append(weakref.ref(h.untyped_storage()))
+            state.copy_(h.detach())
+            del x, h, loss
+            gc.collect()
+            alive.append(sum(r() is not None for r in finals))
+    assert max(alive) <= MAX_MUTATIONS, alive
