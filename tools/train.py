@@ -19,7 +19,8 @@ from mmengine.utils import import_modules_from_strings
 from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
                                                translate_memory_keys)
 from mmdtr.adapters.distributed import close_dist
-from mmdtr.adapters.runner import MMDTRRunner, check_amp_available
+from mmdtr.adapters.runner import (MMDTRRunner, amp_convertible,
+                                   check_amp_available)
 from mmdtr.errors import MmdtrError
 
 
@@ -149,8 +150,9 @@ def build_cfg(args) -> Config:
                 '--amp needs an optim_wrapper dict in the config, got '
                 f"{cfg.get('optim_wrapper')!r}.",
                 hint='set optim_wrapper = dict(optimizer=...) or drop --amp.')
+        check_amp_available(dict(type='AmpOptimWrapper'))
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
-        if optim_wrapper not in ('OptimWrapper', 'AmpOptimWrapper'):
+        if not amp_convertible(optim_wrapper):
             raise MmdtrError(
                 f'--amp needs optim_wrapper.type OptimWrapper or '
                 f'AmpOptimWrapper, got {optim_wrapper!r}.',

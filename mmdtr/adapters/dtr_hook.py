@@ -155,7 +155,7 @@ class DTRHook(Hook):
             policy=policy)
         dtr_settings(self.settings, 'DTRHook')
         self.step: Optional[DTRTrainStep] = None
-        self._attached_to = None
+        self._attached_to = self._own_train_step = None
 
     @property
     def stats(self) -> Optional[DTRStats]:
@@ -173,6 +173,8 @@ class DTRHook(Hook):
             where = f'{type(model).__name__}.train_step, one engine per rank'
         else:
             self.step = DTRTrainStep(self.settings, device, runner.message_hub)
+            # a train_step set on the instance is the user's: put it back
+            self._own_train_step = vars(model).get('train_step')
             model.train_step = functools.partial(self.step, model.train_step)
             self._attached_to = model
             where = f'{type(model).__name__}.train_step (by DTRHook)'
@@ -189,5 +191,7 @@ class DTRHook(Hook):
         model, self._attached_to = self._attached_to, None
         if isinstance(model, DTRDistributedDataParallel):
             model.disable_dtr()
+        elif model is not None and self._own_train_step is not None:
+            model.train_step = self._own_train_step
         elif model is not None:
             del model.train_step  # the class's own again

@@ -330,3 +330,43 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
             hint="use amp=dict(dtype='bfloat16', loss_scale=None), or "
             'step_in_backward=False.')
     return AmpSettings(cast_dtype, kwargs, static_scale)
+
+
+def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
+    """Check an ``InplaceOptimWrapper`` config before anything is built.
+
+    The same checks as the wrapper's constructor, which MMEngine runs only
+    when ``runner.train()`` builds the wrapper, plus the one
+    ``optim_context`` would make in the first iteration.
+
+    Args:
+        wrapper (dict): The ``optim_wrapper`` config (or one of a dict of
+            them, one per optimizer).
+        distributed (bool): Whether the run has a launcher: each parameter
+            stepping during backward would step before its gradient is
+            reduced across ranks.
+
+    Raises:
+        MmdtrError: If a setting is not accepted.
+
+    Examples:
+        >>> check_wrapper_config(dict(type='InplaceOptimWrapper',
+        ...                           optimizer=dict(type='SGD', lr=0.1),
+        ...                           step_in_backward=True), False)
+    """
+    settings = {k: v for k, v in wrapper.items() if k not in BUILDER_KEYS}
+    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, KEY,
+               'an InplaceOptimWrapper argument', settings)
+    step_in_backward = settings.get('step_in_backward', False)
+    check_step_in_backward(step_in_backward)
+    check_accumulative_counts(
+        settings.get('accumulative_counts', 1), step_in_backward)
+    clip_grad_settings(settings.get('clip_grad'), step_in_backward)
+    amp_settings(settings.get('amp'), step_in_backward)
+    if step_in_backward and distributed:
+        raise MmdtrError(
+            f'{KEY}.step_in_backward=True cannot train with a launcher '
+            '(distributed): each parameter would step with its local '
+            'gradient before it is reduced across ranks; accepted: '
+            "launcher='none'.",
+            hint='use step_in_backward=False for distributed training.')

@@ -160,6 +160,10 @@ class InplaceOptimWrapper(OptimWrapper):
         self._step_kwargs = step_kwargs or {}
         try:
             super().update_params(loss, step_kwargs, zero_kwargs)
+        except BaseException:
+            # the iteration is abandoned: the next backward starts afresh
+            self._stepped_since_backward = True
+            raise
         finally:
             self._step_kwargs = {}
 
@@ -238,6 +242,9 @@ class InplaceOptimWrapper(OptimWrapper):
                 'parameter would step with its local gradient before it is '
                 'reduced across ranks; accepted: an unwrapped model.',
                 hint='use step_in_backward=False for distributed training.')
+        # a new training step: a backward left without its step by an
+        # iteration that raised is not this step's
+        self._stepped_since_backward = True
         autocast = (
             torch.autocast(self.amp_device, dtype=self.cast_dtype)
             if self.amp else nullcontext())

@@ -37,7 +37,8 @@ from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import (SOURCE_ATTR, config_check,
                                  translate_memory_keys)
 from .distributed import init_cpu_dist
-from .inplace_optim_settings import check_accumulative_counts
+from .inplace_optim_settings import (check_accumulative_counts,
+                                     check_wrapper_config)
 
 
 def _is_amp(wrapper_type) -> bool:
@@ -46,6 +47,17 @@ def _is_amp(wrapper_type) -> bool:
     from mmengine.optim import AmpOptimWrapper
     return isinstance(wrapper_type, type) and issubclass(
         wrapper_type, AmpOptimWrapper)
+
+
+def amp_convertible(wrapper_type) -> bool:
+    """Whether ``--amp`` may make ``wrapper_type`` an ``AmpOptimWrapper``:
+    MMEngine's ``OptimWrapper`` or ``AmpOptimWrapper``, as a name (scoped or
+    not) or as the class (new-style configs)."""
+    if isinstance(wrapper_type, str):
+        return wrapper_type.split('.')[-1] in ('OptimWrapper',
+                                               'AmpOptimWrapper')
+    from mmengine.optim import AmpOptimWrapper, OptimWrapper
+    return wrapper_type in (OptimWrapper, AmpOptimWrapper)
 
 
 def check_amp_available(optim_wrapper: Optional[dict]) -> None:
@@ -83,18 +95,31 @@ def _wrapper_cfgs(optim_wrapper) -> list:
     return [optim_wrapper]
 
 
-@config_check
-def check_accumulation(cfg, custom_hooks: list) -> None:
-    """``optim_wrapper.accumulative_counts`` must be a positive int.
+def _is_inplace(wrapper_type) -> bool:
+    if isinstance(wrapper_type, str):
+        return wrapper_type.split('.')[-1] == 'InplaceOptimWrapper'
+    from .inplace_optim_wrapper import InplaceOptimWrapper
+    return isinstance(wrapper_type, type) and issubclass(
+        wrapper_type, InplaceOptimWrapper)
 
-    MMEngine's ``OptimWrapper`` accepts ``2.5`` and ``True`` and asserts on
-    0 deep inside the runner; this fails before the runner is built.
+
+@config_check
+def check_optim_wrappers(cfg, custom_hooks: list) -> None:
+    """Check the optimizer wrappers' settings before the runner is built.
+
+    ``accumulative_counts`` must be a positive int (MMEngine's
+    ``OptimWrapper`` accepts ``2.5`` and ``True`` and asserts on 0 deep
+    inside the runner); an ``InplaceOptimWrapper`` is checked whole, as its
+    constructor would check it when ``runner.train()`` builds it.
 
     Raises:
-        MmdtrError: On another value.
+        MmdtrError: On a setting that is not accepted.
     """
+    distributed = cfg.get('launcher', 'none') not in (None, 'none')
     for wrapper in _wrapper_cfgs(cfg.get('optim_wrapper', None)):
-        if 'accumulative_counts' in wrapper:
+        if _is_inplace(wrapper.get('type')):
+            check_wrapper_config(wrapper, distributed)
+        elif 'accumulative_counts' in wrapper:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
 
 

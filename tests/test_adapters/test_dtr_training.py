@@ -340,3 +340,22 @@ def test_dtr_with_resume(tmp_path, train_tool):
         assert torch.equal(state['momentum_buffer'], momenta[i]), i
     evictions = got['message_hub']['log_scalars']['train/dtr_evictions']
     assert len(evictions.data[0]) == 3 and min(evictions.data[0]) > 0
+
+
+def test_train_step_set_on_the_model_is_kept(tmp_path, toy_runner_cfg):
+    # DTRHook wraps train_step for training and deleted it afterwards: a
+    # train_step the user had set on the instance was gone
+    cfg = toy_runner_cfg(
+        tmp_path, 'LinearToyModel', 'RangeToyDataset', 'own_step',
+        dtr=dict(eviction_threshold='1B', evictee_minimum_size='1B'))
+    runner = MMDTRRunner.from_cfg(cfg)
+    model, under_dtr = runner.model, []
+
+    def own_train_step(data, optim_wrapper):
+        under_dtr.append(dtr_mode_active())
+        return type(model).train_step(model, data, optim_wrapper)
+
+    model.train_step = own_train_step
+    runner.train()
+    assert under_dtr == [True, True]
+    assert vars(model)['train_step'] is own_train_step

@@ -7,6 +7,10 @@ import textwrap
 import pytest
 import torch
 
+from mmengine.optim import AmpOptimWrapper, OptimWrapper
+
+from mmdtr.adapters import runner as runner_module
+from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
 
@@ -99,6 +103,29 @@ def test_amp_sets_amp_optim_wrapper(train_tool, toy_config):
     cfg = build(train_tool, toy_config, '--amp')
     assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
     assert cfg.optim_wrapper.loss_scale == 'dynamic'
+
+
+@pytest.mark.parametrize('wrapper_type', [
+    'OptimWrapper', 'mmengine.OptimWrapper', 'AmpOptimWrapper',
+    'mmengine.AmpOptimWrapper'
+])
+def test_amp_takes_mmengine_wrappers_however_spelt(train_tool, toy_config,
+                                                   monkeypatch, wrapper_type):
+    # only the bare 'OptimWrapper' was accepted (a scoped name, or the class
+    # of a new-style config, was refused)
+    monkeypatch.setattr(runner_module, 'is_cuda_available', lambda: True)
+    cfg = build(train_tool, toy_config, '--amp', '--cfg-options',
+                f'optim_wrapper.type={wrapper_type}')
+    assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
+    assert runner_module.amp_convertible(OptimWrapper)
+    assert runner_module.amp_convertible(AmpOptimWrapper)
+    assert not runner_module.amp_convertible(InplaceOptimWrapper)
+
+
+def test_amp_on_cpu_says_so_whatever_the_wrapper(train_tool, toy_config):
+    with pytest.raises(MmdtrError, match='needs a CUDA, NPU or MLU device'):
+        build(train_tool, toy_config, '--amp', '--cfg-options',
+              'optim_wrapper.type=mmdtr.InplaceOptimWrapper')
 
 
 @pytest.mark.parametrize('options, match', [
