@@ -98,9 +98,8 @@ class SavedTensors:
                                   alias._version)
         version = handle.version
         if rec.version != version:
-            if any(v > version and (
-                    meta is None or not rec.split_counters
-                    or views_overlap(meta, handle.key))
+            if any(v > version and (meta is None or not rec.split_counters
+                                    or views_overlap(meta, handle.key))
                    for v, meta in rec.saved_writes or ()):
                 # written since it was saved: eager autograd refuses too
                 # (a write through .data, which it allows, is refused)

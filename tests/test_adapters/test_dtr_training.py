@@ -346,7 +346,10 @@ def test_train_step_set_on_the_model_is_kept(tmp_path, toy_runner_cfg):
     # DTRHook wraps train_step for training and deleted it afterwards: a
     # train_step the user had set on the instance was gone
     cfg = toy_runner_cfg(
-        tmp_path, 'LinearToyModel', 'RangeToyDataset', 'own_step',
+        tmp_path,
+        'LinearToyModel',
+        'RangeToyDataset',
+        'own_step',
         dtr=dict(eviction_threshold='1B', evictee_minimum_size='1B'))
     runner = MMDTRRunner.from_cfg(cfg)
     model, under_dtr = runner.model, []

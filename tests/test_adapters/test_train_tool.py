@@ -6,7 +6,6 @@ import textwrap
 
 import pytest
 import torch
-
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 
 from mmdtr.adapters import runner as runner_module
