@@ -1,6 +1,7 @@
-"""Misuse of the public API: nested engines, a context manager exited
-without being entered, unknown module-level switches, abstract policies and
-unsupported devices each raise a clear :class:`MmdtrError`."""
+"""The public API and its misuse: MegEngine's module-level switches work;
+nested engines, a context manager exited without being entered, unknown
+switches, bad arguments, abstract policies and unsupported devices each
+raise a clear :class:`MmdtrError`."""
 import importlib
 import re
 import threading
@@ -227,3 +228,41 @@ def test_unsupported_devices_are_refused(device):
 def test_supported_devices_are_accepted(device):
     engine = DTR(device=device, eviction_threshold='1GB')
     assert engine.device is None or engine.device.type in ('cpu', 'cuda')
+
+
+def test_module_level_switches_match_megengine():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(128, 64)
+    g_ref = _chain_grad(x, w)
+    dtr.eviction_threshold = '1KB'
+    dtr.evictee_minimum_size = 1
+    try:
+        dtr.enable()
+        with pytest.raises(MmdtrError, match='already enabled'):
+            dtr.enable()
+        g = _chain_grad(x, w)
+        stats = dtr.disable()
+    finally:
+        dtr.eviction_threshold, dtr.evictee_minimum_size = None, 2**20
+    assert torch.equal(g, g_ref) and stats.recomputations > 0
+    assert not dtr.is_enabled()
+    with pytest.raises(MmdtrError, match='not enabled'):
+        dtr.disable()
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(eviction_threshold=None), 'needs CUDA'),
+    (dict(eviction_threshold='5 lightyears'), "'5 lightyears'"),
+    (dict(eviction_threshold=1.5), 'is not a size'),
+    (dict(eviction_threshold='1GB',
+          evictee_minimum_size='x'), 'evictee_minimum_size'),
+    (dict(eviction_threshold='1GB',
+          enable_sqrt_sampling='yes'), 'enable_sqrt_sampling'),
+    (dict(eviction_threshold='1GB', policy='fifo'), "policy='fifo'"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, match):
+    with pytest.raises(MmdtrError, match=match) as info:
+        DTR(device='cpu', **kwargs)
+    assert str(info.value).startswith('mmdtr: ')
+    assert 'Hint:' in str(info.value)

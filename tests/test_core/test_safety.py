@@ -1,5 +1,6 @@
 """What the engine must never do: evict what it cannot replay or what is
-still visible, leave state behind, or leak records across iterations."""
+still visible, leave state behind, or disturb other threads (leaks across
+iterations: test_lifetimes.py)."""
 import copy
 import sys
 import threading
@@ -11,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mmdtr import dtr
 from mmdtr.core.engine import EngineState
 from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
@@ -371,44 +371,6 @@ def test_engines_are_per_thread():
         thread.join()
         assert engine.stats.ops == before  # the thread's ops are not ours
     assert len(seen) == 1
-
-
-def test_module_level_switches_match_megengine():
-    torch.manual_seed(0)
-    w = torch.randn(64, 64, requires_grad=True)
-    x = torch.randn(128, 64)
-    (g_ref, ) = torch.autograd.grad(_chain(x, w).sum(), w)
-    dtr.eviction_threshold = '1KB'
-    dtr.evictee_minimum_size = 1
-    try:
-        dtr.enable()
-        with pytest.raises(MmdtrError, match='already enabled'):
-            dtr.enable()
-        (g, ) = torch.autograd.grad(_chain(x, w).sum(), w)
-        stats = dtr.disable()
-    finally:
-        dtr.eviction_threshold, dtr.evictee_minimum_size = None, 2**20
-    assert torch.equal(g, g_ref) and stats.recomputations > 0
-    assert not dtr.is_enabled()
-    with pytest.raises(MmdtrError, match='not enabled'):
-        dtr.disable()
-
-
-@pytest.mark.parametrize('kwargs, match', [
-    (dict(eviction_threshold=None), 'needs CUDA'),
-    (dict(eviction_threshold='5 lightyears'), "'5 lightyears'"),
-    (dict(eviction_threshold=1.5), 'is not a size'),
-    (dict(eviction_threshold='1GB',
-          evictee_minimum_size='x'), 'evictee_minimum_size'),
-    (dict(eviction_threshold='1GB',
-          enable_sqrt_sampling='yes'), 'enable_sqrt_sampling'),
-    (dict(eviction_threshold='1GB', policy='fifo'), "policy='fifo'"),
-])
-def test_bad_arguments_raise_clear_errors(kwargs, match):
-    with pytest.raises(MmdtrError, match=match) as info:
-        DTR(device='cpu', **kwargs)
-    assert str(info.value).startswith('mmdtr: ')
-    assert 'Hint:' in str(info.value)
 
 
 def test_freeze_reaches_users_of_a_freed_unrebuildable_record(same_under_dtr):
