@@ -206,6 +206,10 @@ def _check_device(device) -> Optional[torch.device]:
         raise MmdtrError(
             f'device={device!r} is a {parsed.type!r} device; DTR meters '
             f'only {list(_DEVICE_TYPES)} memory.', hint)
+    if parsed.type == 'cuda' and not torch.cuda.is_available():
+        # its meter would read 0 bytes forever: nothing would be evicted
+        raise MmdtrError(f'device={device!r}: CUDA is not available here.',
+                         "Use device='cpu' (or None) on this machine.")
     return parsed
 
 

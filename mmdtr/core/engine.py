@@ -22,7 +22,7 @@ from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
                       managed, view_meta)
 from .replay import Replayer
 from .saved_tensors import SavedTensors
-from .writes import Writes
+from .writes import Writes, bump_like_eager
 
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
@@ -106,6 +106,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         self.external_users = {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
+        self.backward_clock = -1  # clock of the latest saved-tensor unpack
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0
         # the limit in force: raised above an unreachable threshold
@@ -127,7 +128,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
 
     def _register(self, storage, cdata, rec=None):
         nbytes = storage.nbytes()
-        if self.device is None:  # the first storage decides (R11)
+        if self.device is None and nbytes:  # the first storage decides (R11)
             self._meter_device(storage.device)
         if self.transients:
             transient = self.transients.pop(cdata, None)
@@ -157,7 +158,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             rec.cdata = rec.wref = None
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
-            elif rec.users and rec.lo is not None:
+            elif rec.lo is not None and rec.has_live_users():
                 # fake deletion: its users' recipes still need it, so it
                 # counts in their evicted neighbourhood (R8)
                 rec.join_evicted_class()
@@ -191,17 +192,20 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
         info = op_info(func)
-        writes, n_declared, scratch, seen = (), 0, (), ()
+        if info.swaps_storage:
+            return self._run_set(func, args, kwargs, info)
+        writes, n_declared, scratch = (), 0, ()
         if info.written_args or info.side_effect_args:
-            writes, n_declared, scratch, seen = self._writes(
-                info, args, kwargs)
+            writes, n_declared, scratch = self._writes(info, args, kwargs)
             for w in writes:
                 self._before_write(w)
-            if info.swaps_storage:
-                return self._run_set(func, args, kwargs, writes[0])
         rng = self._capture_rng(args, kwargs) if info.random else None
+        versions = [w._version for w in writes] if info.versions_lists \
+            else None
         out = self._run(func, args, kwargs, rng)
         self.clock += 1
+        if versions is not None:
+            bump_like_eager(writes, versions)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
         replayable = info.replayable and (
@@ -232,10 +236,10 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             # parameter, held by its module, so its later versions are never
             # rebuilt; recording each step would keep each gradient (R5)
             self._after_write(
-                w, None if w.requires_grad and w.grad_fn is None else mutation,
-                info)
+                w, None if w.requires_grad and w.grad_fn is None
+                and w._base is None else mutation, info)
         for i in range(n_declared, len(writes)):  # never replayed (R5)
-            self._after_write(writes[i], None, info, seen[i])
+            self._after_write(writes[i], None, info)
         memory = self.memory_in_use()
         if self.cuda and memory > self.peak:
             self.peak = memory
@@ -253,14 +257,19 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         info = op_info(func)
         writes = ()
         if info.written_args or info.side_effect_args:
-            writes, _, _, seen = self._writes(info, args, kwargs)
-            writes = [(w, seen[i]) for i, w in enumerate(writes)
-                      if _has_storage(w)]
-            for w, _ in writes:
+            writes = [
+                w for w in self._writes(info, args, kwargs)[0]
+                if _has_storage(w)
+            ]
+            for w in writes:
                 self._before_write(w)
+        versions = [w._version for w in writes] if info.versions_lists \
+            else None
         out = func(*args, **kwargs)
-        for w, versioned in writes:
-            self._after_write(w, None, info, versioned)
+        if versions is not None:
+            bump_like_eager(writes, versions)
+        for w in writes:
+            self._after_write(w, None, info)
         return out
 
     @staticmethod
@@ -271,16 +280,13 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         writes = _tensors_in(
             get_arg(info, args, kwargs, i) for i in info.written_args)
         n_declared, scratch = len(writes), ()
-        seen = [True] * n_declared  # versioned by autograd (R10)
         if info.side_effect_args and (info.batch_norm_training_arg is None
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
             scratch = info.side_effect_args
             for i in scratch:
-                written = _tensors_in([get_arg(info, args, kwargs, i)])
-                writes += written
-                seen += [i not in info.unversioned_args] * len(written)
-        return writes, n_declared, scratch, seen
+                writes += _tensors_in([get_arg(info, args, kwargs, i)])
+        return writes, n_declared, scratch
 
     def _register_outputs(self, out, args, kwargs, fresh_returns):
         """Register the storages the call allocated; return them (R11).
@@ -303,10 +309,8 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                 continue  # not a tensor, or held: see managed()
             storage = o.untyped_storage()
             cdata = storage._cdata
-            if cdata in records:  # a view or write of a storage we know;
-                if fresh_returns:  # unannotated: its own version counter
-                    records[cdata].split_counters = True  # (R10)
-                continue
+            if cdata in records:
+                continue  # a view or write of a storage we know
             if not fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
                     inputs = _input_storages(args, kwargs)

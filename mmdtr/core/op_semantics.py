@@ -66,13 +66,11 @@ class OpInfo(NamedTuple):
             nondeterministic on accelerators.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
-        unversioned_args (frozenset): Indices among ``side_effect_args``
-            whose writes autograd does not version: all of them but the
-            lists of ``_foreach_`` ops (fused optimizer steps, batch norm's
-            running statistics, ``rrelu_with_noise``'s noise; checked
-            against eager by a test).
         swaps_storage (bool): Whether the op points ``self`` at another
             storage (``set_``).
+        versions_lists (bool): Whether eager autograd bumps the version
+            counters of the lists the op writes (in-place ``_foreach_``
+            ops); below a dispatch mode their kernels do not.
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -84,8 +82,8 @@ class OpInfo(NamedTuple):
     full_overwrite: bool
     nondeterministic: bool
     fresh_returns: bool
-    unversioned_args: frozenset
     swaps_storage: bool
+    versions_lists: bool
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -143,9 +141,8 @@ def _classify(func) -> OpInfo:
         full_overwrite=name in _FULL_OVERWRITE,
         nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
-        unversioned_args=frozenset((
-        ) if name.startswith('_foreach_') else side_effects),
-        swaps_storage=name == 'set_')
+        swaps_storage=name == 'set_',
+        versions_lists=name.startswith('_foreach_') and bool(side_effects))
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):

@@ -240,32 +240,31 @@ class StorageRecord:
         inputs (list | tuple): Records this one's recipe reads (an empty
             tuple until the first).
         keepalive: A strong reference to the storage of a frozen record.
-        saved_writes (list | None): ``(version, view meta)`` of the writes
-            autograd versions made while the record had saved-tensor
-            handles; meta ``None``: the whole storage (R10).
-        split_counters (bool): Whether some alias of the storage has a
-            version counter of its own (outputs of ``unsafe_split``,
-            ``_unsafe_view``, a tensor ``set_`` onto it); else every tensor
-            on it shares one counter, as views do (R10).
+        alias_refs (dict | None): View meta -> weak reference to the alias
+            made at a save (it shares the saved tensor's version counter),
+            while it is in ``views`` (R10).
+        born (int): Clock when the storage was registered.
+        recipe_nbytes (int): Size of the storage the recipe rebuilds (a
+            later ``resize_`` grows ``nbytes`` only).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
-                 'cand_index', 'evicted_class', 'keepalive', 'saved_writes',
-                 'split_counters', '__weakref__')
+                 'cand_index', 'evicted_class', 'keepalive', 'alias_refs',
+                 'born', 'recipe_nbytes', '__weakref__')
 
     def __init__(self, nbytes, device, clock):
-        self.nbytes, self.device = nbytes, device
+        self.nbytes = self.recipe_nbytes = nbytes
+        self.device = device
         self.cdata = self.wref = self.creator = self.keepalive = None
         self.lo = self.hi = self.evicted_class = None
         self.views = {}
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
         self.mutations = self.inputs = ()  # lists from the first entry
-        self.users = self.saved_writes = None
-        self.split_counters = False
+        self.users = self.alias_refs = None
         self.cost = 0.0
-        self.last_access = clock
+        self.last_access = self.born = clock
         self.cand_index = -1
 
     @property
@@ -303,6 +302,10 @@ class StorageRecord:
     def live_users(self) -> list:
         """The records alive whose recipes read this one."""
         return self.users.live() if self.users is not None else []
+
+    def has_live_users(self) -> bool:
+        return self.users is not None and any(ref() is not None
+                                              for ref in self.users)
 
     # DTR's evicted equivalence classes (union-find, split on rebuild) ----
     def evicted_neighbours(self):

@@ -151,10 +151,11 @@ class Replayer:
             out = self._replay(creator, None)
             outs = out if isinstance(out, (tuple, list)) else (out, )
             storage = outs[rec.out_index].untyped_storage()
-        if storage.nbytes() != rec.nbytes:
+        if storage.nbytes() != rec.recipe_nbytes:
             raise MmdtrError(
                 f'replaying {creator.func} gave {storage.nbytes()} bytes, '
-                f'not {rec.nbytes}.', 'Please report it with the model.')
+                f'not {rec.recipe_nbytes}.',
+                'Please report it with the model.')
         for node in rec.mutations[:version - rec.base]:
             self._replay(node, storage)
         return storage

@@ -8,25 +8,32 @@ and R10 of docs/design.md.
 import time
 import weakref
 
-from .overlap import views_overlap
 from .records import _PLAIN, detached_alias, managed, view_meta, view_of
+
+
+class AliasRef(weakref.ref):
+    """A weak reference to the alias the engine made of a saved tensor.
+
+    The alias shares the saved tensor's version counter (``detach()``
+    does). ``dropped_version`` is that counter's value when the alias was
+    dropped, at an eviction; ``None`` while it is alive (R10).
+    """
+    __slots__ = ('dropped_version', )
 
 
 class SavedHandle:
     """What autograd keeps instead of a managed saved tensor (R10).
 
-    ``alias`` is a weak reference to the engine's alias made for it, which
-    shares the saved tensor's version counter, and ``alias_version`` that
-    counter at the save: while the storage stays resident this is autograd's
-    own check, writes after the engine's scope included.
+    ``alias`` is the :class:`AliasRef` of the alias made at the save and
+    ``alias_version`` the version counter then: whether a write autograd
+    versions reached the saved tensor since is exactly whether the counter
+    moved, writes after the engine's scope included.
     """
-    __slots__ = ('state', 'record', 'key', 'version', 'alias', 'alias_version')
+    __slots__ = ('state', 'record', 'key', 'alias', 'alias_version')
 
-    def __init__(self, state, record, key, version, alias=None):
+    def __init__(self, state, record, key, alias):
         self.state, self.record, self.key = state, record, key
-        self.version = version
-        self.alias = None if alias is None else weakref.ref(alias)
-        self.alias_version = None if alias is None else alias._version
+        self.alias, self.alias_version = alias, alias()._version
 
     def __del__(self):
         self.state.release(self.record)
@@ -73,13 +80,18 @@ class SavedTensors:
                 or not rec.recomputable(rec.version):
             return HeldSaved(t)
         key = view_meta(t)
-        alias = None
-        if key not in rec.views:  # else made from another tensor, whose
-            alias = rec.views[key] = detached_alias(t)  # counter it has
+        ref = rec.alias_refs.get(key) if rec.alias_refs else None
+        if ref is None or ref() is None:  # else made at an earlier save of
+            alias = rec.views[key] = detached_alias(t)  # t's view: shared
+            ref = AliasRef(alias)
+            ref.dropped_version = None
+            if rec.alias_refs is None:
+                rec.alias_refs = {}
+            rec.alias_refs[key] = ref
         rec.handles += 1
         rec.last_access = self.clock
         self._add_candidate(rec)
-        return SavedHandle(self, rec, key, rec.version, alias)
+        return SavedHandle(self, rec, key, ref)
 
     def unpack(self, handle):
         if isinstance(handle, HeldSaved):
@@ -92,22 +104,17 @@ class SavedTensors:
             return handle
         rec = handle.record
         rec.last_access = self.clock
-        alias = handle.alias() if handle.alias is not None else None
-        if alias is not None and alias._version != handle.alias_version:
-            raise _modified_error(handle.key[1], handle.alias_version,
-                                  alias._version)
-        version = handle.version
-        if rec.version != version:
-            if any(v > version and (meta is None or not rec.split_counters
-                                    or views_overlap(meta, handle.key))
-                   for v, meta in rec.saved_writes or ()):
-                # written since it was saved: eager autograd refuses too
-                # (a write through .data, which it allows, is refused)
-                raise _modified_error(handle.key[1], version, rec.version)
-            # only writes autograd does not see (side effects), or that
-            # missed the saved elements through an alias with a counter of
-            # its own (unsafe_chunk's gates): eager hands it out as it is
-            version = rec.version
+        self.backward_clock = self.clock
+        alias = handle.alias()
+        now = handle.alias.dropped_version if alias is None \
+            else alias._version
+        if now is not None and now != handle.alias_version:
+            # written since it was saved: what eager autograd refuses
+            raise _modified_error(handle.key[1], handle.alias_version, now)
+        # writes that moved no counter of its (batch norm's statistics, an
+        # alias with a counter of its own: unsafe_chunk's gates, .data):
+        # eager hands it out as it is now
+        version = rec.version
         t = rec.views.get(handle.key)
         if t is not None:
             return t
@@ -129,6 +136,6 @@ class SavedTensors:
         rec.handles -= 1
         if rec.handles == 0:
             rec.views.clear()
-            rec.saved_writes = None  # no handle left to check them
+            rec.alias_refs = None
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)

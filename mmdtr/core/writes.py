@@ -4,16 +4,32 @@ The write half of :class:`~mmdtr.core.engine.EngineState` (one state object
 per engine; this mixin only groups its methods). Rules R5 and R7 of
 docs/design.md.
 """
-from .cost_model import tensor_bytes
-from .records import AllocNode, view_meta
+import torch
 
-#: A record's mutation log stops growing here once nothing can ask for its
-#: older versions: the record is made unrecomputable instead (kept while
-#: alive). A tensor carried across the iterations of one long scope and
-#: written in place each time (an EMA centre, an RNN state) would otherwise
-#: keep every iteration's inputs. Chains of in-place ops within a forward
-#: (``out += identity; out.relu_()``) are far shorter (R5).
+from .cost_model import tensor_bytes
+from .op_semantics import get_arg
+from .records import AllocNode
+
+#: The mutation log of a storage made before the latest backward stops
+#: growing here once nothing can ask for its older versions: the record is
+#: made unrecomputable instead (kept while alive). A tensor carried across
+#: the iterations of one long scope and written in place each time (an EMA
+#: centre, an RNN state) would otherwise keep every iteration's inputs
+#: (R5). Activations of the running forward are never capped.
 MAX_MUTATIONS = 8
+
+
+def bump_like_eager(written, versions) -> None:
+    """Bump the version counters a list-writing op left as they were.
+
+    Eager autograd versions the tensors an in-place ``_foreach_`` op
+    writes; below a dispatch mode their kernels do not. The saved-tensor
+    check reads the counters (R10), and so may the user: they move as in
+    eager.
+    """
+    for t, version in zip(written, versions):
+        if t._version == version:
+            torch.autograd.graph.increment_version(t)
 
 
 class Writes:
@@ -90,27 +106,14 @@ class Writes:
                     stack.append(user)
         return list(seen.values())
 
-    def _after_write(self, t, node, info, versioned=True, cdata=None):
+    def _after_write(self, t, node, info):
         """Version ``t``'s storage after a write; ``node`` replays it
-        (``None``: not replayable). ``versioned``: autograd bumps the
-        version of what the call writes (not for fused optimizer steps or
-        batch norm's running statistics), so saved tensors check it (R10).
-        ``cdata``: the storage written, when it is no longer ``t``'s
-        (``set_``); all of it counts as written.
-        """
-        swapped = cdata is not None
-        if not swapped:
-            storage = t.untyped_storage()
-            cdata = storage._cdata
-        rec = self.records.get(cdata)
+        (``None``: not replayable)."""
+        storage = t.untyped_storage()
+        rec = self.records.get(storage._cdata)
         if rec is None:
             return
-        if versioned and rec.handles:  # for SavedTensors.unpack (R10)
-            if rec.saved_writes is None:
-                rec.saved_writes = []
-            rec.saved_writes.append(
-                (rec.version + 1, None if swapped else view_meta(t)))
-        if not swapped and storage.nbytes() != rec.nbytes:
+        if storage.nbytes() != rec.nbytes:
             # resized in place (resize_, out= into a smaller tensor): the
             # meter follows (R11); no recipe rebuilds the new size (R5)
             self._resized(rec, storage.nbytes())
@@ -121,10 +124,11 @@ class Writes:
             # an uninitialized storage is now fully determined (R5)
             rec.creator = AllocNode(rec.nbytes, rec.device)
             rec.base, rec.mutations, rec.lo = rec.version, (), rec.version
-            rec.cost = 1.0
+            rec.cost, rec.recipe_nbytes = 1.0, rec.nbytes
         rec.version += 1
         if node is not None and rec.recomputable(rec.version - 1):
-            if len(rec.mutations) >= MAX_MUTATIONS:
+            if len(rec.mutations) >= MAX_MUTATIONS \
+                    and rec.born < self.backward_clock:
                 unneeded = self._unneeded_from(rec)
                 if unneeded is not None:  # a state carried across
                     self._forget_recipes(unneeded)  # iterations (R5)
@@ -141,23 +145,25 @@ class Writes:
                 self._drop_candidate(rec)
 
     def _resized(self, rec, nbytes):
+        if self.device is None and nbytes:
+            self._meter_device(rec.device)
         self.in_use += nbytes - rec.nbytes
         rec.nbytes = nbytes
         if self.in_use > self.peak and not self.cuda:
             self.peak = self.in_use
 
-    def _run_set(self, func, args, kwargs, t):
+    def _run_set(self, func, args, kwargs, info):
         """Run ``t.set_(...)``, which points ``t`` at another storage.
 
-        The old storage counts as written: autograd bumps ``t``'s version
-        counter, which the views saved from it share. The new storage gains
-        an alias with a counter of its own (R5, R10).
+        No storage's bytes change: nothing is versioned (autograd bumps
+        ``t``'s version counter, which the saved-tensor check reads, R10).
+        ``t.set_()`` makes a new, empty storage: it is registered, so that
+        growing it later is metered (R11).
         """
-        old = t.untyped_storage()._cdata
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         self.clock += 1
-        self._after_write(t, None, None, cdata=old)
-        rec = self.records.get(t.untyped_storage()._cdata)
-        if rec is not None and rec.cdata != old:
-            rec.split_counters = True
+        if len(args) + len(kwargs) == 1:  # set_(): a new storage
+            storage = get_arg(info, args, kwargs, 0).untyped_storage()
+            if storage._cdata not in self.records:
+                self._register(storage, storage._cdata)
         return out

@@ -156,3 +156,28 @@ def test_state_overwritten_each_iteration_stays_bounded():
             gc.collect()
             alive.append(sum(r() is not None for r in finals))
     assert max(alive) <= MAX_MUTATIONS, alive
+
+
+def test_activation_written_many_times_in_its_forward_stays_evictable(
+        same_under_dtr):
+    # the cap on mutation logs is for state carried across iterations: an
+    # activation of the running forward written more than MAX_MUTATIONS
+    # times before its save was kept resident, saving nothing
+    from mmdtr.core.writes import MAX_MUTATIONS
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def forward():
+        h = x @ w
+        for _ in range(MAX_MUTATIONS + 4):
+            h.mul_(1.01).add_(0.1)
+        return h.sin()  # saves h, the only storage backward needs
+
+    def step():
+        w.grad = None
+        y = forward()
+        torch.randn(64, 64).exp()  # evicts h at the smallest threshold
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0

@@ -2,6 +2,7 @@
 import bisect
 import time
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
@@ -165,3 +166,43 @@ def test_meter_follows_storages_grown_in_place():
         # resize_ holds the old and the new buffer together for its copy,
         # which only the profiler sees (inside one op)
         assert live <= peak <= profiled, kind
+
+
+@pytest.mark.parametrize('grow', ['resize_', 'out'])
+def test_older_versions_rebuild_after_the_storage_grew(same_under_dtr, grow):
+    # the recipe makes the storage at its first size; a record grown in
+    # place compared the rebuilt older version with its new size and
+    # raised an engine error where eager runs
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def step():
+        w.grad = None
+        a = torch.randn(4, 8) @ w
+        c = a.exp()  # its recipe reads a at its first size
+        d = a.detach()
+        if grow == 'resize_':
+            d.resize_(64)
+        else:
+            d.resize_(0)
+            torch.cat([d.new_ones(40), d.new_ones(40)], out=d)
+        loss = c.sum()
+        del c
+        torch.randn(64, 64).exp()  # evicts c at the smallest threshold
+        loss.backward()
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_set_storage_is_metered_and_empty_storages_pick_no_device():
+    with DTR(eviction_threshold='1GB', evictee_minimum_size=1) as e:
+        state = e._state
+        boxes = torch.empty(0, 4)  # say, an image without boxes
+        # the first storage with bytes decides (a CUDA model's first op
+        # might make an empty CPU tensor)
+        assert state.device is None
+        t = torch.randn(3)
+        t.set_()  # a new, empty storage
+        t.resize_(1000)
+        assert state.in_use == boxes.untyped_storage().nbytes() + 4000
+        assert state.device == torch.device('cpu')

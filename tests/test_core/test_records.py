@@ -41,3 +41,15 @@ def test_user_refs_adding_is_amortized_linear():
         prunes += len(users) != before + 1
     assert prunes == 0 and len(users) == 1000
     assert users.live() == records
+
+
+def test_a_record_whose_users_all_died_has_none():
+    # a storage freed with only dead readers joined DTR's evicted classes
+    # and raised its live neighbours' e* (the list of references is not
+    # empty then)
+    rec, user = _record(), _record()
+    user.add_input(rec)
+    assert rec.has_live_users()
+    del user
+    gc.collect()
+    assert rec.users and not rec.has_live_users()

@@ -13,11 +13,10 @@ from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
 
-@pytest.mark.parametrize('written', ['parameter', 'activation', 'data'])
+@pytest.mark.parametrize('written', ['parameter', 'activation'])
 def test_saved_tensor_written_before_backward_raises(written):
     # saved-tensor hooks turn autograd's version check off; the engine does
-    # it instead, at any threshold (and refuses a write through .data,
-    # which eager autograd would allow, rather than rebuild the old value)
+    # it instead, at any threshold
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(8, 8, requires_grad=True)
@@ -29,9 +28,32 @@ def test_saved_tensor_written_before_backward_raises(written):
         else:
             a = x.mm(w)
             y = a.sin().sum()  # sin saves a
-            (a.data if written == 'data' else a).mul_(2)
+            a.mul_(2)
         with pytest.raises(RuntimeError, match='modified by an inplace'):
             y.backward()
+
+
+def test_write_through_data_is_used_as_eager_uses_it(same_under_dtr):
+    # .data has a version counter of its own: eager raises nothing and
+    # backward reads the written values; rebuilt, they are replayed (the
+    # engine used to refuse it, unable to tell .data from a view)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def forward():
+        a = x @ w
+        y = a.sin()  # saves a
+        a.data.mul_(2)
+        return y
+
+    def step():
+        w.grad = None
+        y = forward()
+        torch.randn(64, 64).exp()  # evicts a at the smallest threshold
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
 
 
 def test_leaf_storage_swapped_mid_step_raises():
@@ -211,3 +233,75 @@ def test_set_onto_a_saved_tensor_writes_nothing(same_under_dtr):
         return [loss, w.grad, a]
 
     same_under_dtr(step)
+
+
+def _forward_then_backward(forward, w):
+    """A step for the fixtures: ``forward()`` hides what it makes, so the
+    smallest threshold evicts it before backward."""
+
+    def step():
+        w.grad = None
+        out = forward()
+        torch.randn(64, 64).exp()
+        out.sum().backward()
+        return [w.grad]
+
+    return step
+
+
+@pytest.mark.parametrize('case', ['matmul_3d', 'detach', 'foreach'])
+def test_write_through_a_shared_counter_is_refused(refused_like_eager, case):
+    # the saved view's counter moved: refused at any threshold. A 3-D
+    # matmul's output comes from _unsafe_view, which made the engine fall
+    # back to asking which elements were written; a foreach write moves no
+    # counter below a dispatch mode unless the engine bumps it as eager does
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(2, 3, 8)
+
+    def forward():
+        y = x @ w
+        z = y[..., :4].sin()  # saves a slice of y
+        if case == 'matmul_3d':
+            y[..., 4:].relu_()
+        elif case == 'detach':
+            y.detach()[..., 4:].mul_(2)
+        else:
+            torch._foreach_mul_([y[..., 4:]], 2.0)
+        return z
+
+    refused_like_eager(_forward_then_backward(forward, w))
+
+
+@pytest.mark.parametrize(
+    'case',
+    ['unsafe_chunk', 'unsafe_view', 'set_alias', 'set_twice', 'resize_same'])
+def test_write_through_a_counter_of_its_own_is_used(same_under_dtr, case):
+    # an alias with a version counter of its own (or a write that moves no
+    # counter) leaves the saved tensor's counter as it was: eager reads the
+    # new values without a word, and so must the engine, rebuilt or not
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def forward():
+        g = x @ w
+        z = g.sin()  # saves g
+        with torch.no_grad():
+            if case == 'unsafe_chunk':
+                g.unsafe_chunk(2, 1)[0].detach().mul_(2)
+            elif case == 'unsafe_view':
+                torch.ops.aten._unsafe_view(g.detach(), [32]).mul_(2)
+            elif case == 'set_alias':
+                t = torch.empty(0)
+                t.set_(g.detach())
+                t.mul_(2)
+            elif case == 'set_twice':
+                t = torch.empty(0)
+                t.set_(g.detach())
+                t.set_(torch.randn(3))
+            else:
+                g.detach().resize_(4, 8)  # the same size: no new version
+        return z
+
+    stats = same_under_dtr(_forward_then_backward(forward, w))
+    # resize_ is never replayed: g's current version is kept resident
+    assert stats.evictions > 0 or case == 'resize_same'
