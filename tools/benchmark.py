@@ -15,22 +15,26 @@ Examples:
     python tools/benchmark.py CONFIG report          # redraw from JSON
 """
 import argparse
-import json
 import os.path as osp
 import sys
 import time
+from typing import Optional
 
-import torch
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 
 from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, OPTIMIZERS,
                                 BenchmarkSuite, Launcher, load_config)
+from mmdtr.benchmarking.arguments import (check_device, check_numbers,
+                                          check_threshold, parse_match)
 from mmdtr.benchmarking.launch import default_launcher
-from mmdtr.benchmarking.report import (machine_info, update_results,
+from mmdtr.benchmarking.report import (failed_runs, failures_message,
+                                       machine_info, update_results,
                                        write_report)
+from mmdtr.benchmarking.results import read_results
 from mmdtr.core.policies import POLICIES
-from mmdtr.core.sizes import parse_size
+from mmdtr.core.sizes import format_size, parse_size
 from mmdtr.errors import MmdtrError
+from mmdtr.utils.cfg_options import CfgOptionsAction
 
 COMMANDS = ('sweep', 'compare', 'largest-batch', 'all', 'report')
 DEFAULT_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.25)
@@ -61,7 +65,7 @@ def parse_args(argv=None):
     work.add_argument('--batch-size', type=int, help="default: the config's")
     work.add_argument('--image-size', type=int, help='image datasets')
     work.add_argument('--seq-len', type=int, help='token datasets')
-    work.add_argument('--cfg-options', nargs='+', action=DictAction)
+    work.add_argument('--cfg-options', nargs='+', action=CfgOptionsAction)
     work.add_argument(
         '--device',
         default='auto',
@@ -152,10 +156,17 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
             image_size = QUICK['image_size']
         if seq_len is None and 'seq_len' in dataset:
             seq_len = QUICK['seq_len']
+    batch_size = _default(args.batch_size, 'batch_size', args,
+                          cfg.train_dataloader.get('batch_size'))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+            or batch_size < 1:
+        raise MmdtrError(
+            f'train_dataloader.batch_size={batch_size!r} of {args.config} '
+            'is not a positive int.',
+            hint='give the batch size with --batch-size.')
     settings = dict(
         config=osp.abspath(args.config),
-        batch_size=_default(args.batch_size, 'batch_size', args,
-                            cfg.train_dataloader.batch_size),
+        batch_size=batch_size,
         cfg_options=args.cfg_options or {},
         image_size=image_size,
         seq_len=seq_len,
@@ -176,20 +187,42 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
                           **settings)
 
 
-def _match(value: str):
-    if value in ALTERNATIVES:
-        return value
-    try:
-        return parse_size(value, '--match')
-    except MmdtrError:
+def quick_capacity(args, suite: BenchmarkSuite) -> int:
+    """``--quick``'s capacity: a quarter above the baseline's peak.
+
+    Its baseline run is the sweep's and compare's (the suite runs it once).
+
+    Raises:
+        MmdtrError: If the baseline run fails, or ``--headroom`` leaves no
+            room in the capacity.
+    """
+    bar = suite.bar(1, 'baseline')
+    record = suite.run('baseline', suite.spec('baseline'), bar)
+    bar.close()
+    if not record['peak_engine']:
         raise MmdtrError(
-            f'--match {value!r} is neither a technique of '
-            f'{list(ALTERNATIVES)} nor a size.',
-            hint='e.g. --match mmdtr_ac or --match 200MB.') from None
+            f"the baseline run that sets --quick's capacity ended "
+            f"{record['status']!r} ({record.get('error')}); see "
+            f"{record.get('log')}.",
+            hint='fix what its log shows, or give --capacity.')
+    capacity = int(record['peak_engine'] * 1.25)
+    if parse_size(args.headroom, '--headroom') >= capacity:
+        raise MmdtrError(
+            f'--headroom {args.headroom} leaves no room in the capacity '
+            f'{format_size(capacity)} that --quick took (a quarter above '
+            "the baseline's peak).",
+            hint='give a smaller --headroom, or a --capacity.')
+    return capacity
 
 
-def run_command(command: str, args, suite: BenchmarkSuite) -> tuple:
-    """Run one benchmark; return ``(section name, section data)``."""
+def run_command(command: str,
+                args,
+                suite: BenchmarkSuite,
+                capacity: Optional[int] = None) -> tuple:
+    """Run one benchmark; return ``(section name, section data)``.
+
+    ``capacity`` (bytes) is largest-batch's; by default ``--capacity``.
+    """
     settings = dict(suite.settings, command=command)
     if command == 'sweep':
         fractions = args.fractions
@@ -207,18 +240,10 @@ def run_command(command: str, args, suite: BenchmarkSuite) -> tuple:
         return 'sweep', dict(settings=settings, runs=runs)
     if command == 'compare':
         settings.update(match=args.match, policies=args.policies)
-        runs = suite.compare(_match(args.match), args.policies)
+        runs = suite.compare(parse_match(args.match), args.policies)
         return 'compare', dict(settings=settings, runs=runs)
-    capacity = args.capacity
     if capacity is None:
-        # quick: a quarter above the baseline's peak at the quick batch
-        peak = suite.run('baseline', suite.spec('baseline'),
-                         suite.bar(1, 'baseline'))['peak_engine']
-        if peak is None:
-            raise MmdtrError('the baseline run failed; see its log.')
-        capacity = int(peak * 1.25)
-    else:
-        capacity = parse_size(capacity, '--capacity')
+        capacity = parse_size(args.capacity, '--capacity')
     max_batch = _default(args.max_batch, 'max_batch', args, 1024)
     headroom = parse_size(args.headroom, '--headroom')
     settings.update(
@@ -231,63 +256,83 @@ def run_command(command: str, args, suite: BenchmarkSuite) -> tuple:
 
 
 def check_args(args) -> None:
-    """Reject bad arguments before anything runs."""
-    if args.device == 'auto':
-        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
-        raise MmdtrError(
-            f'--device {args.device}: CUDA is not available.',
-            hint='use --device cpu.')
+    """Reject bad arguments before anything runs; resolve ``--device``."""
+    args.device = check_device(args.device)
+    check_numbers(args)
+    parse_size(args.evictee_minimum_size, '--evictee-minimum-size')
     if args.command in ('largest-batch', 'all'):
         if args.capacity is None and not args.quick:
             raise MmdtrError(f'{args.command} needs --capacity, e.g. 1GB.')
         headroom = parse_size(args.headroom, '--headroom')
-        if args.capacity is not None and \
-                headroom >= parse_size(args.capacity, '--capacity'):
+        capacity = None if args.capacity is None else parse_size(
+            args.capacity, '--capacity')
+        if capacity == 0:
+            raise MmdtrError(
+                f'--capacity {args.capacity} must be above 0.',
+                hint='e.g. --capacity 1GB.')
+        if capacity is not None and headroom >= capacity:
             raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
                              f'--capacity {args.capacity}.')
     if args.command in ('compare', 'all'):
-        _match(args.match)
+        match = parse_match(args.match)
+        if isinstance(match, int):
+            check_threshold(match, '--match', args.match, args.device)
     for threshold in args.thresholds:
-        parse_size(threshold, '--thresholds')
-    if any(not 0 < f for f in args.fractions or ()):
-        raise MmdtrError(f'--fractions {args.fractions} must be positive.')
-    if args.repeats < 1:
-        raise MmdtrError(f'--repeats {args.repeats} must be at least 1.')
+        check_threshold(
+            parse_size(threshold, '--thresholds'), '--thresholds', threshold,
+            args.device)
 
 
 def main(argv=None) -> int:
+    """Run the command; raise :class:`MmdtrError` on bad input or failures.
+
+    Returns:
+        int: 0.
+    """
     args = parse_args(argv)
     check_args(args)
     name = osp.splitext(osp.basename(args.config))[0]
     work_dir = args.work_dir or osp.join('work_dirs', 'benchmark', name)
     json_path = osp.join(work_dir, 'results.json')
+    # a results.json that is not the benchmark's is refused before any run
+    results = read_results(json_path)
     if args.command == 'report':
         if not osp.exists(json_path):
             raise MmdtrError(
                 f'no {json_path} to report on.',
                 hint='run a benchmark first, or give its '
                 '--work-dir.')
-        with open(json_path) as f:
-            results = json.load(f)
-    else:
-        cfg = load_config(args.config, args.cfg_options, args.image_size,
-                          args.seq_len)
-        suite = build_suite(args, cfg, work_dir)
-        commands = (('sweep', 'compare',
-                     'largest-batch') if args.command == 'all' else
-                    (args.command, ))
-        meta = machine_info(args.device)
-        if not (args.quick or args.no_prime):
-            suite.prime()
-        for command in commands:
-            start = time.monotonic()
-            section, data = run_command(command, args, suite)
-            data['settings']['wall_s'] = round(time.monotonic() - start, 1)
-            results = update_results(json_path, meta, section, data)
-            write_report(results, work_dir)
+        for path in [json_path] + write_report(results, work_dir):
+            print(f'wrote {path}')
+        return 0
+    cfg = load_config(args.config, args.cfg_options, args.image_size,
+                      args.seq_len)
+    suite = build_suite(args, cfg, work_dir)
+    commands = (('sweep', 'compare',
+                 'largest-batch') if args.command == 'all' else
+                (args.command, ))
+    meta = machine_info(args.device)
+    if not (args.quick or args.no_prime):
+        suite.prime()
+    capacity = None
+    if 'largest-batch' in commands and args.capacity is None:
+        capacity = quick_capacity(args, suite)
+    failures, total, not_run = [], 0, ()
+    for i, command in enumerate(commands):
+        start = time.monotonic()
+        section, data = run_command(command, args, suite, capacity)
+        data['settings']['wall_s'] = round(time.monotonic() - start, 1)
+        results = update_results(json_path, meta, section, data)
+        write_report(results, work_dir)
+        failed, runs = failed_runs(section, data)
+        failures, total = failures + failed, total + runs
+        if failed and len(failed) == runs:
+            not_run = commands[i + 1:]
+            break
     for path in [json_path] + write_report(results, work_dir):
         print(f'wrote {path}')
+    if failures:
+        raise MmdtrError(failures_message(failures, total, not_run, work_dir))
     return 0
 
 

@@ -15,7 +15,6 @@ import statistics
 import sys
 import tempfile
 
-from mmengine.config import Config, DictAction
 from mmengine.hooks import Hook
 from torch.profiler import ProfilerActivity, profile
 
@@ -24,6 +23,8 @@ from mmdtr.adapters.config_translation import (  # noqa: E402
     MEMORY_KEY_TRANSLATORS, translate_memory_keys)
 from mmdtr.adapters.runner import MMDTRRunner  # noqa: E402
 from mmdtr.core.sizes import format_size  # noqa: E402
+from mmdtr.errors import MmdtrError  # noqa: E402
+from mmdtr.utils import cfg_options  # noqa: E402
 from mmdtr.utils.profiler_memory import memory_deltas  # noqa: E402
 
 PROFILED_ITER = 1  # the first iteration warms up; time the ones after
@@ -58,11 +59,15 @@ class _PeakProbe(Hook):
                 runner.message_hub.get_scalar('train/time').current())
 
 
-def train(cfg, with_features, work_dir):
+def _without_features(cfg):
     cfg = cfg.copy()
-    if not with_features:
-        for key in MEMORY_KEY_TRANSLATORS:
-            cfg.pop(key, None)
+    for key in MEMORY_KEY_TRANSLATORS:
+        cfg.pop(key, None)
+    return cfg
+
+
+def train(cfg, with_features, work_dir):
+    cfg = cfg.copy() if with_features else _without_features(cfg)
     cfg.work_dir = work_dir
     cfg = translate_memory_keys(cfg)
     probe = _PeakProbe()
@@ -78,7 +83,7 @@ def train(cfg, with_features, work_dir):
     return probe.peak, statistics.median(probe.times), dtr
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument(
         'config',
@@ -86,14 +91,59 @@ def main():
         default=osp.join(
             osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs',
             'demo_dtr.py'))
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
-    args = parser.parse_args()
-    cfg = Config.fromfile(args.config)
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=cfg_options.CfgOptionsAction)
+    return parser.parse_args(argv)
+
+
+def build_cfg(args):
+    """Read and check the config before anything trains.
+
+    Both runs' configs are translated here, so a bad memory key (e.g.
+    ``dtr.eviction_threshold=3XB``) is refused before the baseline trains.
+
+    Args:
+        args (argparse.Namespace): The parsed arguments.
+
+    Returns:
+        tuple: ``(cfg, features)``: the config (at least
+        ``PROFILED_ITER + 2`` iterations) and the memory keys it sets.
+
+    Raises:
+        MmdtrError: On a missing config file, bad ``--cfg-options``, a
+            config without iterations to train or without any memory key,
+            or a bad memory key.
+    """
+    cfg = cfg_options.read_config(args.config)
     if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    if cfg.train_cfg.max_iters < PROFILED_ITER + 2:
+        cfg_options.merge_cfg_options(cfg, args.cfg_options)
+    train_cfg, max_iters = cfg.get('train_cfg'), None
+    if isinstance(train_cfg, dict):
+        max_iters = train_cfg.get('max_iters')
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int):
+        raise MmdtrError(
+            f'train_cfg={train_cfg!r} of {args.config} has no int '
+            'max_iters; the demo trains a number of iterations.',
+            hint='use an iteration-based config, e.g. '
+            "train_cfg = dict(type='IterBasedTrainLoop', max_iters=4).")
+    if max_iters < PROFILED_ITER + 2:
         cfg.train_cfg.max_iters = PROFILED_ITER + 2
     features = [k for k in MEMORY_KEY_TRANSLATORS if cfg.get(k) is not None]
+    if not features:
+        raise MmdtrError(
+            f'{args.config} sets none of the memory keys '
+            f'{list(MEMORY_KEY_TRANSLATORS)}: there is nothing to compare '
+            'the baseline with.',
+            hint='turn one on, e.g. --cfg-options '
+            'dtr.eviction_threshold=200MB.')
+    translate_memory_keys(cfg)
+    translate_memory_keys(_without_features(cfg))
+    return cfg, features
+
+
+def demo(args) -> None:
+    """Train without and with the memory features; print the comparison."""
+    cfg, features = build_cfg(args)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [('without', *train(cfg, False, osp.join(tmp, 'base')))]
         rows.append(('with ' + ', '.join(features),
@@ -101,7 +151,7 @@ def main():
     (_, base_peak, base_time, _), (name, peak, time, dtr) = rows
     print(f'\nmmdtr demo: {osp.basename(args.config)}, '
           f'{cfg.train_cfg.max_iters} iterations, features: '
-          f'{", ".join(features) or "none"}')
+          f'{", ".join(features)}')
     print(f'{"run":<24}{"peak memory":>14}{"s/iter":>10}')
     for run, run_peak, run_time, _ in rows:
         print(f'{run:<24}{format_size(run_peak):>14}{run_time:>10.3f}')
@@ -114,6 +164,14 @@ def main():
               f'{int(dtr["evictions"])} evictions, '
               f'{int(dtr["recomputations"])} recomputations in the last '
               'iteration')
+
+
+def main(argv=None) -> None:
+    try:
+        demo(parse_args(argv))
+    except MmdtrError as error:
+        print(f'{type(error).__name__}: {error}', file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == '__main__':

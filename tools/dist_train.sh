@@ -15,9 +15,22 @@ PORT=${PORT:-29500}
 MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 PYTHON=${PYTHON:-python}
 
+USAGE="usage: $0 CONFIG NPROC [tools/train.py args...]"
 if [ -z "$CONFIG" ] || [ -z "$NPROC" ]; then
-    echo "usage: $0 CONFIG NPROC [tools/train.py args...]" >&2
+    echo "$USAGE" >&2
     exit 2
+fi
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    echo "$USAGE" >&2
+    echo "$0: error: NPROC '$NPROC' is not accepted; give a positive" \
+        "integer, the number of processes per node" >&2
+    exit 2
+fi
+if [ ! -f "$CONFIG" ]; then
+    # refused here: from inside torchrun it would end in torchrun's traceback
+    echo "MmdtrError: mmdtr: config file '$CONFIG' does not exist." \
+        "Hint: give the path of a config file, e.g. configs/demo_dtr.py." >&2
+    exit 1
 fi
 
 PYTHONPATH="$(dirname "$0")/..":$PYTHONPATH \

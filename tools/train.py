@@ -12,30 +12,16 @@ import os
 import os.path as osp
 import sys
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.registry import RUNNERS
-from mmengine.utils import import_modules_from_strings
 
-from mmdtr.adapters.config_translation import (MEMORY_KEY_TRANSLATORS,
-                                               translate_memory_keys)
+from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.distributed import close_dist
 from mmdtr.adapters.runner import (MMDTRRunner, amp_convertible,
                                    check_amp_available)
 from mmdtr.errors import MmdtrError
-
-
-class CfgOptionsAction(DictAction):
-    """:class:`~mmengine.config.DictAction` that rejects a missing ``=``."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        for kv in values:
-            if '=' not in kv:
-                raise MmdtrError(
-                    f'--cfg-options expects KEY=VALUE pairs, got {kv!r}.',
-                    hint='e.g. --cfg-options train_cfg.max_iters=100 '
-                    "optim_wrapper.optimizer.lr=0.01 'custom_imports."
-                    "imports=[my_module]'")
-        super().__call__(parser, namespace, values, option_string)
+from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
+                                     read_config)
 
 
 def parse_args(argv=None):
@@ -79,40 +65,49 @@ def parse_args(argv=None):
     return args
 
 
-def merge_cfg_options(cfg: Config, options: dict) -> None:
-    """Merge ``--cfg-options`` into ``cfg`` and import its custom_imports.
+def check_work_dir(work_dir, key: str = '--work-dir') -> None:
+    """Refuse a work dir that cannot be made: a file, or under one.
 
-    MMEngine imports ``custom_imports`` only when it reads the config file,
-    so imports given through ``--cfg-options`` are imported here.
+    Args:
+        work_dir (str): The work dir.
+        key (str): Where it was given, for the message.
+
+    Raises:
+        MmdtrError: If ``work_dir`` is not a path, or it or its nearest
+            existing ancestor is not a writable directory.
     """
-    for name in MEMORY_KEY_TRANSLATORS:
-        # `dtr = None` in a file means off; `dtr.x=...` turns it on
-        if name in cfg and cfg[name] is None and any(
-                key.startswith(f'{name}.') for key in options):
-            cfg[name] = {}
-    try:
-        cfg.merge_from_dict(options)
-    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
+    if not isinstance(work_dir, str) or not work_dir:
         raise MmdtrError(
-            f'--cfg-options {options!r} cannot be merged into '
-            f'{cfg.filename}: {e}',
-            hint='a dotted key must follow the nesting of the config.') from e
-    if 'custom_imports' not in options and not any(
-            key.startswith('custom_imports.') for key in options):
+            f'{key} {work_dir!r} is not a directory path.',
+            hint='e.g. --work-dir work_dirs/run1.')
+    existing = osp.abspath(work_dir)
+    while not osp.exists(existing):
+        existing = osp.dirname(existing)
+    if not osp.isdir(existing):
+        where = 'is' if existing == osp.abspath(work_dir) else 'is under'
+        raise MmdtrError(
+            f'{key} {work_dir!r} {where} the file {existing!r}; a work dir '
+            'must be a directory.',
+            hint='give a directory path, e.g. --work-dir work_dirs/run1.')
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise MmdtrError(
+            f'{key} {work_dir!r} cannot be made: {existing!r} is not '
+            'writable.',
+            hint='give a directory you can write to.')
+
+
+def check_checkpoint(path: str) -> None:
+    """Refuse ``--resume PATH`` when ``PATH`` is no file (URLs pass).
+
+    Raises:
+        MmdtrError: If ``path`` is a local path but not a file.
+    """
+    if '://' in path or osp.isfile(path):
         return
-    custom_imports = cfg.get('custom_imports')
-    if not isinstance(custom_imports, dict) or 'imports' not in custom_imports:
-        raise MmdtrError(
-            f'custom_imports={custom_imports!r} is not accepted; expected '
-            "dict(imports=['module', ...], allow_failed_imports=False).",
-            hint="e.g. --cfg-options 'custom_imports.imports=[my_module]'.")
-    try:
-        import_modules_from_strings(**custom_imports)
-    except ImportError as e:
-        raise MmdtrError(
-            f"custom_imports.imports={custom_imports['imports']!r} cannot be "
-            f'imported: {e}',
-            hint='check the module names and PYTHONPATH.') from e
+    raise MmdtrError(
+        f'--resume {path!r}: no such checkpoint file.',
+        hint='give the path of a .pth file, or --resume alone to resume '
+        'from the latest checkpoint in the work dir.')
 
 
 def build_cfg(args) -> Config:
@@ -125,14 +120,11 @@ def build_cfg(args) -> Config:
         Config: The config, with mmdtr's memory keys translated into hooks.
 
     Raises:
-        MmdtrError: On bad ``--cfg-options``, bad memory keys, or ``--amp``
-            without a CUDA device.
+        MmdtrError: On a missing config file, bad ``--cfg-options``, bad
+            memory keys, ``--amp`` without a CUDA device, a work dir that is
+            a file or under one, or ``--resume`` of a missing file.
     """
-    if not osp.isfile(args.config):
-        raise MmdtrError(
-            f'config file {args.config!r} does not exist.',
-            hint='give the path of a config file, e.g. configs/demo_dtr.py.')
-    cfg = Config.fromfile(args.config)
+    cfg = read_config(args.config)
     if args.cfg_options is not None:
         merge_cfg_options(cfg, args.cfg_options)
     cfg.launcher = args.launcher
@@ -143,6 +135,8 @@ def build_cfg(args) -> Config:
     elif cfg.get('work_dir', None) is None:
         cfg.work_dir = osp.join('./work_dirs',
                                 osp.splitext(osp.basename(args.config))[0])
+    check_work_dir(cfg.work_dir,
+                   'work_dir' if args.work_dir is None else '--work-dir')
 
     if args.amp:
         if not isinstance(cfg.get('optim_wrapper'), dict):
@@ -165,6 +159,7 @@ def build_cfg(args) -> Config:
         cfg.resume = True
         cfg.load_from = None
     elif args.resume is not None:
+        check_checkpoint(args.resume)
         cfg.resume = True
         cfg.load_from = args.resume
     return translate_memory_keys(cfg)

@@ -13,7 +13,8 @@ Two launchers, same result (:func:`mmdtr.benchmarking.worker.run_spec`):
 
 A child's stdout and stderr go to a log file per run. A run that dies (the
 kernel's OOM killer) or passes ``timeout`` seconds gets status
-``'killed'`` or ``'timeout'``.
+``'killed'`` or ``'timeout'`` (a forked run that hands in its result
+within a grace period after the timeout keeps that result).
 """
 import json
 import multiprocessing
@@ -28,6 +29,9 @@ from typing import Optional
 _WORKER = 'mmdtr.benchmarking.worker'
 _REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 LAUNCHERS = ('forkserver', 'subprocess')
+#: Seconds a forked run gets after its timeout to hand in a finished result
+#: (and after sending it, or dying, to exit).
+_GRACE_S = 5
 
 
 def default_launcher(device: str = 'cpu') -> str:
@@ -169,18 +173,22 @@ class Launcher:
             target=_child, args=(spec, log_path, send), daemon=True)
         process.start()
         send.close()
+        timed_out = not receive.poll(self.timeout)
+        # a child finishing as the timeout passes still gets its result in
+        ready = not timed_out or receive.poll(_GRACE_S)
         result = None
-        if receive.poll(self.timeout):
+        if ready:
             try:
                 result = receive.recv()
             except EOFError:  # the child died before sending
                 pass
-        process.join(None if result is not None else 5)
-        if result is not None:
-            return result
+        process.join(_GRACE_S)
         if process.is_alive():
             process.kill()
             process.join()
+        if result is not None:
+            return result
+        if timed_out:
             return self._failed('timeout', f'over {self.timeout} s')
         return self._failed('killed', f'exit code {process.exitcode}')
 

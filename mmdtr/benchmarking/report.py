@@ -10,11 +10,12 @@ import json
 import os
 import os.path as osp
 import platform
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from mmdtr.core.sizes import format_size
+from .results import read_results
 
 #: Slowdown targets of the engine issue (ResNet-50 CPU step, batch >= 8):
 #: ``None`` is a threshold above the peak (no eviction).
@@ -57,16 +58,51 @@ def machine_info(device: str) -> dict:
 
 def update_results(path: str, meta: dict, section: str, data) -> dict:
     """Write ``data`` as ``section`` of the JSON at ``path``; return all."""
-    results = {}
-    if osp.exists(path):
-        with open(path) as f:
-            results = json.load(f)
+    results = read_results(path)
     results['meta'] = meta
     results[section] = data
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(path, 'w') as f:
         json.dump(results, f, indent=2)
     return results
+
+
+def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
+    """The runs of a section that failed, and how many it has.
+
+    Sweep and compare runs fail when their status is not ``'ok'``; the
+    largest-batch search of a technique fails when a probe fails otherwise
+    than by not fitting.
+
+    Returns:
+        tuple: ``(failed, total)``: a ``'name (status)'`` per failed run,
+        and the number of runs (searches for ``largest_batch``).
+    """
+    if section == 'largest_batch':
+        result = data['result']
+        return [
+            f'largest batch of {technique} ({result[technique]["error"]})'
+            for technique in ('baseline', 'dtr')
+            if result[technique].get('error')
+        ], 2
+    return [
+        f"{run['name']} ({run['status']})" for run in data['runs']
+        if run['status'] != 'ok'
+    ], len(data['runs'])
+
+
+def failures_message(failures: List[str], total: int, not_run: Sequence[str],
+                     work_dir: str) -> str:
+    """What the tool says when runs failed (see :func:`failed_runs`)."""
+    shown = ', '.join(failures[:5])
+    if len(failures) > 5:
+        shown += f' and {len(failures) - 5} more'
+    text = f'{len(failures)} of {total} runs failed: {shown}.'
+    if not_run:
+        text += (f' Every run of the last benchmark failed, so '
+                 f'{", ".join(not_run)} did not run.')
+    return text + (f' Their logs are in {osp.join(work_dir, "logs")}, and '
+                   'the status column of benchmark.md says why.')
 
 
 def _mib(nbytes) -> str:

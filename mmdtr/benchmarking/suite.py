@@ -21,6 +21,15 @@ ALTERNATIVES = ('checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac')
 _NOT_FITTING = ('oom', 'killed')
 
 
+def _no_peak(record: dict) -> str:
+    """Why ``record`` (DTR without eviction) gives no peak to scale."""
+    if record['status'] != 'ok':
+        return (f"no peak to take fractions of: {record['name']} ended "
+                f"{record['status']!r}")
+    return (f"no peak to take fractions of: {record['name']} metered "
+            f"{record['peak_engine']!r} bytes")
+
+
 class _ProbeFailed(Exception):
 
     def __init__(self, record: dict):
@@ -147,13 +156,13 @@ class BenchmarkSuite:
         records = [self.baseline(bar), self.no_eviction(bar, policy)]
         peak = records[1]['peak_engine']
         for fraction in fractions:
-            if peak is None:
+            if not peak:
                 records.append(
                     self._skipped(
                         f'dtr@{fraction:g}',
                         'dtr',
                         policy,
-                        'no baseline peak (DTR without eviction failed)',
+                        _no_peak(records[1]),
                         fraction=fraction))
                 bar.update()
                 continue

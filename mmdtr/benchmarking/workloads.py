@@ -25,6 +25,7 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
 from mmdtr.techniques.inplace_update import PerParameterStepper
 from mmdtr.techniques.module_selection import resolve_modules
+from mmdtr.utils.cfg_options import merge_cfg_options, read_config
 
 #: Model type -> glob of its blocks, in forward order.
 DEFAULT_BLOCKS: Dict[str, str] = {
@@ -58,12 +59,25 @@ def load_config(config: str,
         Config: The config.
 
     Raises:
-        MmdtrError: If an override does not apply to the dataset.
+        MmdtrError: If the file is missing, ``cfg_options`` cannot be
+            merged, the config has no ``model`` or no
+            ``train_dataloader.dataset`` dict, or an override does not
+            apply to the dataset.
     """
-    cfg = Config.fromfile(config)
+    cfg = read_config(config)
     if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    dataset = cfg.train_dataloader.dataset
+        merge_cfg_options(cfg, cfg_options)
+    loader = cfg.get('train_dataloader')
+    dataset = loader.get('dataset') if isinstance(loader, dict) else None
+    for key, value in (('model', cfg.get('model')),
+                       ('train_dataloader.dataset', dataset)):
+        if not isinstance(value, dict):
+            raise MmdtrError(
+                f'config {config} has no {key} dict (got {value!r}); a '
+                'workload needs a model and a dataset to build its batch '
+                'from.',
+                hint='give a config of configs/, e.g. '
+                'configs/resnet50_synthetic.py.')
     for key, value in (('image_size', image_size), ('seq_len', seq_len)):
         if value is None:
             continue

@@ -1,4 +1,5 @@
 """tools/train.py: end to end in a subprocess, and its argument handling."""
+import os
 import os.path as osp
 import subprocess
 import sys
@@ -158,8 +159,45 @@ def test_args_are_applied(train_tool, toy_config, tmp_path):
     assert cfg.work_dir == 'wd'
     assert cfg.train_cfg.max_iters == 7
 
-    cfg = build(train_tool, toy_config, '--resume', 'a/iter_3.pth')
-    assert (cfg.resume, cfg.load_from) == (True, 'a/iter_3.pth')
+    checkpoint = tmp_path / 'iter_3.pth'
+    checkpoint.write_bytes(b'')
+    cfg = build(train_tool, toy_config, '--resume', str(checkpoint))
+    assert (cfg.resume, cfg.load_from) == (True, str(checkpoint))
+
+
+def test_work_dir_under_a_file_is_refused(train_tool, toy_config, tmp_path):
+    a_file = tmp_path / 'a_file'
+    a_file.write_text('')
+    with pytest.raises(MmdtrError, match='is under the file'):
+        build(train_tool, toy_config, '--work-dir', str(a_file / 'x'))
+    with pytest.raises(MmdtrError, match='--work-dir .* is the file'):
+        build(train_tool, toy_config, '--work-dir', str(a_file))
+    config = tmp_path / 'wd_in_file.py'
+    config.write_text(f"_base_ = ['{toy_config}']\nwork_dir = '{a_file}/x'\n")
+    with pytest.raises(MmdtrError, match='^mmdtr: work_dir .* is under'):
+        build(train_tool, str(config))
+
+
+def test_resume_of_a_missing_file_is_refused(train_tool, toy_config, tmp_path):
+    with pytest.raises(MmdtrError, match='no such checkpoint file'):
+        build(train_tool, toy_config, '--resume', str(tmp_path / 'no.pth'))
+    with pytest.raises(MmdtrError, match='no such checkpoint file'):
+        build(train_tool, toy_config, '--resume', str(tmp_path))  # a dir
+    cfg = build(train_tool, toy_config, '--resume', 'https://x.org/a.pth')
+    assert cfg.load_from == 'https://x.org/a.pth'
+
+
+def test_bad_work_dir_and_resume_fail_in_one_line(toy_config, tmp_path,
+                                                  run_train):
+    # both ended in a traceback once the runner had been built
+    (tmp_path / 'a_file').write_text('')
+    for args in (['--work-dir', str(tmp_path / 'a_file' / 'x')],
+                 ['--work-dir', 'wd', '--resume', 'missing.pth']):
+        proc = run_train([toy_config] + args)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert proc.stderr.startswith('MmdtrError: mmdtr: --'), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert not (tmp_path / 'wd').exists()
 
 
 def test_builds_mmdtr_runner_or_runner_type(train_tool, toy_config, tmp_path):
@@ -195,3 +233,34 @@ def test_dumped_config_keeps_the_keys_as_written(train_tool, toy_config,
     with pytest.raises(MmdtrError, match="'3XB' is not a size"):
         build(train_tool, str(dumped), '--cfg-options',
               'dtr.eviction_threshold=3XB')
+
+
+@pytest.mark.parametrize('nproc', ['0', 'abc', '-1', '1.5', '01'])
+def test_dist_train_refuses_a_bad_nproc(toy_config, nproc, tmp_path):
+    # torchrun was started with it and ended in a traceback
+    proc = subprocess.run(
+        ['bash',
+         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, nproc],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHON='false'),  # nothing may start
+        capture_output=True,
+        text=True,
+        timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith('usage: ')
+    assert f"NPROC '{nproc}' is not accepted" in proc.stderr
+
+
+def test_dist_train_refuses_a_missing_config(tmp_path):
+    proc = subprocess.run([
+        'bash', osp.join(REPO, 'tools', 'dist_train.sh'), 'no.py', '1'
+    ],
+                          cwd=str(tmp_path),
+                          env=dict(os.environ, PYTHON='false'),
+                          capture_output=True,
+                          text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == ("MmdtrError: mmdtr: config file 'no.py' does not "
+                           'exist. Hint: give the path of a config file, '
+                           'e.g. configs/demo_dtr.py.\n')

@@ -6,12 +6,9 @@ rows, PNG files); the unit tests check the search, the segmenting, the
 spec runner and the table logic.
 """
 import copy
-import importlib.util
 import json
 import os
 import os.path as osp
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +23,6 @@ from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-TOOL = osp.join(REPO, 'tools', 'benchmark.py')
 RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
 GPT = osp.join(REPO, 'configs', 'gpt_synthetic.py')
 # A small ResNet keeps the end-to-end run short.
@@ -39,19 +35,12 @@ RUN_KEYS = {
 }
 
 
-def run_tool(*argv):
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')])
-    cmd = [sys.executable, TOOL, RESNET, *argv]
-    return subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope='module')
-def quick_run(tmp_path_factory):
+def quick_run(tmp_path_factory, benchmark_cli):
     work_dir = tmp_path_factory.mktemp('bench')
-    proc = run_tool('all', '--quick', '--work-dir', str(work_dir),
-                    '--cfg-options', 'model.depth=18', 'model.base_channels=8')
+    proc = benchmark_cli('all', '--quick', '--work-dir', str(work_dir),
+                         '--cfg-options', 'model.depth=18',
+                         'model.base_channels=8')
     assert proc.returncode == 0, proc.stderr[-3000:]
     return work_dir, proc
 
@@ -94,7 +83,7 @@ def test_quick_writes_json_of_every_run(quick_run):
     assert batch['dtr']['largest_batch'] >= batch['baseline']['largest_batch']
 
 
-def test_quick_writes_table_and_plots(quick_run):
+def test_quick_writes_table_and_plots(quick_run, benchmark_cli):
     work_dir, proc = quick_run
     table = (work_dir / 'benchmark.md').read_text()
     for heading in ('## Threshold sweep', '## Alternatives at the same '
@@ -112,7 +101,7 @@ def test_quick_writes_table_and_plots(quick_run):
         assert f'wrote {work_dir / png}' in proc.stdout
     # the report command redraws everything from the JSON alone
     os.remove(work_dir / 'benchmark.md')
-    proc = run_tool('report', '--work-dir', str(work_dir))
+    proc = benchmark_cli('report', '--work-dir', str(work_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (work_dir / 'benchmark.md').read_text() == table
 
@@ -291,61 +280,8 @@ def test_markdown_marks_targets_from_the_slowdown():
     assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
 
 
-@pytest.fixture(scope='module')
-def tool():
-    spec = importlib.util.spec_from_file_location('mmdtr_bench_tool', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize('argv, match', [
-    (['all'], 'needs --capacity'),
-    (['largest-batch', '--capacity', 'lots'], 'is not a size'),
-    (['largest-batch', '--capacity', '1GB', '--headroom', '2GB'
-      ], 'leaves no room'),
-    (['compare', '--match', 'magic'], 'neither a technique'),
-    (['sweep', '--thresholds', '1XB'], 'is not a size'),
-    (['sweep', '--fractions', '0.5', '-1'], 'must be positive'),
-    (['sweep', '--repeats', '0'], 'must be at least 1'),
-])
-def test_bad_arguments_fail_before_any_run(tool, tmp_path, argv, match):
-    args = tool.parse_args([RESNET] + argv + ['--work-dir', str(tmp_path)])
-    with pytest.raises(MmdtrError, match=match):
-        tool.check_args(args)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
-def test_cuda_device_without_cuda_fails(tool):
-    args = tool.parse_args([RESNET, 'sweep', '--device', 'cuda'])
-    with pytest.raises(MmdtrError, match='CUDA is not available'):
-        tool.check_args(args)
-
-
-def test_report_needs_results(tool, tmp_path):
-    with pytest.raises(MmdtrError, match='no .*results.json'):
-        tool.main([RESNET, 'report', '--work-dir', str(tmp_path)])
-
-
-class _CannedLauncher:
-    """Answers every run with the next of a list of step times."""
-
-    def __init__(self):
-        self.calls, self.step = [], 0.0
-
-    def run(self, spec, name='run'):
-        self.calls.append(name)
-        self.step += 1.0
-        return dict(
-            status='ok',
-            step_times_s=[self.step],
-            median_step_s=self.step,
-            peak_engine=1000,
-            peak_independent=1000)
-
-
-def test_repeats_run_in_rounds_and_pool_the_steps():
-    launcher = _CannedLauncher()
+def test_repeats_run_in_rounds_and_pool_the_steps(canned_launcher):
+    launcher = canned_launcher()
     suite = BenchmarkSuite(
         launcher, False, 3, config=RESNET, batch_size=2, device='cpu')
     records = suite.sweep(fractions=(0.5, ))
@@ -359,3 +295,25 @@ def test_repeats_run_in_rounds_and_pool_the_steps():
     baseline = records[0]
     assert baseline['step_times_s'] == [1.0, 4.0, 7.0]
     assert baseline['median_step_s'] == 4.0 and baseline['repeats'] == 3
+
+
+def test_no_peak_says_what_happened(canned_launcher):
+    suite = BenchmarkSuite(
+        canned_launcher(peak_engine=None),
+        False,
+        config=RESNET,
+        batch_size=2,
+        device='cpu')
+    error = suite.sweep(fractions=(0.5, ))[2]['error']
+    assert 'failed' not in error
+    assert error.endswith('dtr (no eviction) metered None bytes')
+
+
+def test_a_run_done_in_the_grace_period_keeps_its_result(tmp_path):
+    launcher = Launcher('forkserver', str(tmp_path))
+    spec = dict(make_spec(RESNET, 'baseline', 1), config='missing.py')
+    assert launcher.run(spec)['status'] == 'error'  # starts the server
+    launcher.timeout = 1e-6  # over before the child has sent its result
+    result = launcher.run(spec)
+    assert result['status'] == 'error', result  # was 'killed', exit code 0
+    assert 'missing.py' in result['error']

@@ -1,0 +1,156 @@
+"""tools/benchmark.py's arguments and inputs: everything wrong is refused in
+one line before any run starts, and failed runs make the tool fail."""
+import importlib.util
+import json
+import os.path as osp
+
+import pytest
+import torch
+
+from mmdtr.errors import MmdtrError
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(REPO, 'tools', 'benchmark.py')
+RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
+
+
+@pytest.fixture(scope='module')
+def tool():
+    spec = importlib.util.spec_from_file_location('mmdtr_bench_tool', TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BAD_ARGUMENTS = [
+    ('all', 'needs --capacity'),
+    ('largest-batch --capacity lots', 'is not a size'),
+    ('largest-batch --capacity 1GB --headroom 2GB', 'leaves no room'),
+    ('compare --match magic', 'neither a technique'),
+    ('sweep --thresholds 1XB', 'is not a size'),
+    ('sweep --repeats 0', 'must be at least 1'),
+    ('largest-batch --capacity 0', '--capacity 0 must be above 0'),
+    ('sweep --device cpu --thresholds 0', 'threshold of 0'),
+    ('compare --device cpu --match 0B', 'threshold of 0'),
+    (f'sweep --seed {2**64}', 'out of the range'),
+]
+BAD_ARGUMENTS += [(f'sweep --fractions 0.5 {v}',
+                   fr'--fractions {v} .* \(0, 1\]')
+                  for v in ('-1', '0', '2', 'inf', 'nan')]
+TOO_LOW = ('--batch-size 0', '--steps 0', '--warmup -1', '--threads -1',
+           '--image-size 0', '--seq-len 0', '--max-batch 0')
+BAD_ARGUMENTS += [(f'sweep {v}', f'{v} must be at least') for v in TOO_LOW]
+BAD_ARGUMENTS += [(f'sweep --timeout {v}', f'--timeout {v} is not accepted')
+                  for v in ('0', '-1', 'inf')]
+BAD_ARGUMENTS += [(f'sweep --device {v}', f"--device '{v}' is not accepted")
+                  for v in ('foo', 'mps', 'CPU', 'cuda:x')]
+
+
+@pytest.mark.parametrize('argv, match', BAD_ARGUMENTS)
+def test_bad_arguments_fail_before_any_run(tool, tmp_path, argv, match):
+    args = tool.parse_args([RESNET] + argv.split() +
+                           ['--work-dir', str(tmp_path)])
+    with pytest.raises(MmdtrError, match=match):
+        tool.check_args(args)
+
+
+def test_good_arguments_pass(tool):
+    args = tool.parse_args([RESNET, 'sweep', '--fractions', '1', '0.5'])
+    tool.check_args(args)  # --fractions 1: DTR at the peak
+    args = tool.parse_args([RESNET, 'sweep', '--device', 'cpu:0'])
+    tool.check_args(args)
+    assert args.device == 'cpu'
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
+def test_cuda_device_without_cuda_fails(tool):
+    args = tool.parse_args([RESNET, 'sweep', '--device', 'cuda'])
+    with pytest.raises(MmdtrError, match='CUDA is not available'):
+        tool.check_args(args)
+
+
+def test_report_needs_results(tool, tmp_path):
+    with pytest.raises(MmdtrError, match='no .*results.json'):
+        tool.main([RESNET, 'report', '--work-dir', str(tmp_path)])
+
+
+@pytest.fixture
+def canned(tool, monkeypatch, canned_launcher):
+    """``canned(**answer)``: the tool's runs answered by a
+    ``CannedLauncher`` (see conftest.py), which it returns."""
+
+    def make(**answer):
+        launcher = canned_launcher(**answer)
+        monkeypatch.setattr(tool, 'Launcher', lambda *args: launcher)
+        return launcher
+
+    return make
+
+
+QUIET = ['--no-prime', '--no-progress']
+
+BAD_INPUT = [(config, argv, None, match, 'sweep') for config, argv, match in (
+    ('/nonexistent.py', [], 'does not exist'),
+    ('x = 1', [], 'has no model dict'),
+    ('model = dict(type="A")\n'
+     'train_dataloader = dict(dataset=dict())', [],
+     'batch_size=None .* not a positive int'),
+    (RESNET, ['--cfg-options', 'model.depth'], 'KEY=VALUE'),
+    (RESNET, ['--cfg-options', 'model.depth.x=1'], 'cannot be merged'),
+)]
+BAD_INPUT += [(RESNET, [], results, match, command) for results, match in (
+    ('{"meta": {}, "sweep": ', 'cannot be read as JSON'),
+    ('{"sweep": {"runs": []}}', 'sweep.settings is not an obj'),
+    ('{"foo": 1}', r"has keys \['foo'\]"),
+) for command in ('sweep', 'report')]
+
+
+@pytest.mark.parametrize('config, argv, results, match, command', BAD_INPUT)
+def test_bad_input_fails_before_any_run(tool, tmp_path, canned, config, argv,
+                                        results, match, command):
+    if not config.startswith('/'):  # the text of a config
+        (tmp_path / 'c.py').write_text(config)
+        config = str(tmp_path / 'c.py')
+    if results is not None:
+        (tmp_path / 'results.json').write_text(results)
+    launcher = canned()
+    with pytest.raises(MmdtrError, match=match):
+        tool.main([config, command, '--work-dir',
+                   str(tmp_path)] + argv + QUIET)
+    assert launcher.calls == []
+    assert not (tmp_path / 'logs').exists()
+    assert not (tmp_path / 'benchmark.md').exists()
+
+
+def test_failed_runs_exit_non_zero(tool, tmp_path, canned):
+    argv = [
+        RESNET, 'all', '--capacity', '1GB', '--fractions', '0.5', '--work-dir',
+        str(tmp_path)
+    ]
+    with pytest.raises(
+            MmdtrError,
+            match='3 of 3 runs failed: baseline '
+            r'\(error\).*so compare, largest-batch did not run'):
+        canned(status='error', peak_engine=None)
+        tool.main(argv + QUIET)
+    with open(tmp_path / 'results.json') as f:
+        assert [r['status'] for r in json.load(f)['sweep']['runs']
+                ] == ['error', 'error', 'skipped']
+
+
+def test_quick_headroom_is_checked_once_the_capacity_is_known(
+        tool, tmp_path, canned):
+    argv = [
+        RESNET, 'all', '--quick', '--headroom', '2KB', '--work-dir',
+        str(tmp_path)
+    ]  # the capacity is 1.25 * 1000 bytes
+    launcher = canned()
+    with pytest.raises(MmdtrError, match='leaves no room in the capacity'):
+        tool.main(argv + QUIET)
+    assert launcher.calls == ['baseline']
+
+
+def test_bad_argument_is_one_line(tmp_path, benchmark_cli):
+    proc = benchmark_cli('sweep', '--steps', '0', '--work-dir', str(tmp_path))
+    assert proc.returncode == 1
+    assert proc.stderr == 'MmdtrError: mmdtr: --steps 0 must be at least 1.\n'

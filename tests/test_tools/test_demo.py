@@ -1,0 +1,61 @@
+"""tools/demo.py: bad input is refused in one line before anything trains."""
+import importlib.util
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(REPO, 'tools', 'demo.py')
+RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
+
+
+@pytest.fixture(scope='module')
+def demo():
+    spec = importlib.util.spec_from_file_location('mmdtr_demo_tool', TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('argv, match', [
+    (['/nonexistent.py'], "config file '/nonexistent.py' does not exist"),
+    (['--cfg-options', 'dtr'], 'KEY=VALUE'),
+    (['--cfg-options', 'train_cfg.max_iters.x=1'], 'cannot be merged'),
+    (['--cfg-options', 'train_cfg.max_iters=None'], 'no int max_iters'),
+    (['--cfg-options', 'dtr.eviction_threshold=3XB'], "'3XB' is not a size"),
+    (['--cfg-options', 'dtr.evict=1'], 'dtr.evict is not a DTR setting'),
+    ([RESNET], 'none of the memory keys'),
+])
+def test_bad_input_fails_before_training(demo, monkeypatch, capsys, argv,
+                                         match):
+    # a bad memory key was found only after the baseline had trained; a
+    # config without memory keys trained twice and printed a row "with"
+    def train(*args):
+        raise AssertionError('trained before the input was checked')
+
+    monkeypatch.setattr(demo, 'train', train)
+    monkeypatch.setattr(sys, 'argv', [TOOL] + argv)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main()
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith('MmdtrError: mmdtr: ')
+    assert len(err.splitlines()) == 1, err
+    assert match in err
+
+
+def test_missing_config_is_one_line_without_traceback(tmp_path):
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')])
+    proc = subprocess.run([sys.executable, TOOL, '/nonexistent.py'],
+                          cwd=str(tmp_path),
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith('MmdtrError: mmdtr: config file')
+    assert 'Traceback' not in proc.stderr
