@@ -200,12 +200,18 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             for w in writes:
                 self._before_write(w)
         rng = self._capture_rng(args, kwargs) if info.random else None
-        versions = [w._version for w in writes] if info.versions_lists \
-            else None
-        out = self._run(func, args, kwargs, rng)
+        if info.versions_lists:
+            lists = [w for w in writes if not w.is_inference()]
+            versions = [w._version for w in lists]
+        try:
+            out = self._run(func, args, kwargs, rng)
+        except BaseException:
+            for w in writes:  # may have written a part: never replayed (R5)
+                self._after_write(w, None, info)
+            raise
         self.clock += 1
-        if versions is not None:
-            bump_like_eager(writes, versions)
+        if info.versions_lists:
+            bump_like_eager(lists, versions)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
         replayable = info.replayable and (
@@ -263,11 +269,12 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             ]
             for w in writes:
                 self._before_write(w)
-        versions = [w._version for w in writes] if info.versions_lists \
-            else None
+        if info.versions_lists:
+            lists = [w for w in writes if not w.is_inference()]
+            versions = [w._version for w in lists]
         out = func(*args, **kwargs)
-        if versions is not None:
-            bump_like_eager(writes, versions)
+        if info.versions_lists:
+            bump_like_eager(lists, versions)
         for w in writes:
             self._after_write(w, None, info)
         return out

@@ -8,6 +8,7 @@ and R10 of docs/design.md.
 import time
 import weakref
 
+from mmdtr.errors import MmdtrError
 from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 
 
@@ -27,13 +28,19 @@ class SavedHandle:
     ``alias`` is the :class:`AliasRef` of the alias made at the save and
     ``alias_version`` the version counter then: whether a write autograd
     versions reached the saved tensor since is exactly whether the counter
-    moved, writes after the engine's scope included.
+    moved, writes after the engine's scope included. While the saved tensor
+    itself lives (``saved``, a weak reference), its own counter is read, and
+    an in-place ``detach_()`` or a storage swapped under it (``.data =``)
+    is seen.
     """
-    __slots__ = ('state', 'record', 'key', 'alias', 'alias_version')
+    __slots__ = ('state', 'record', 'key', 'alias', 'alias_version', 'saved',
+                 'cdata', 'had_grad_fn')
 
-    def __init__(self, state, record, key, alias):
+    def __init__(self, state, record, key, alias, saved):
         self.state, self.record, self.key = state, record, key
         self.alias, self.alias_version = alias, alias()._version
+        self.saved, self.cdata = weakref.ref(saved), record.cdata
+        self.had_grad_fn = saved.grad_fn is not None
 
     def __del__(self):
         self.state.release(self.record)
@@ -55,6 +62,12 @@ class HeldSaved:
         self.version = tensor._version
         self.tensor = detached_alias(tensor) if type(tensor) in _PLAIN \
             else tensor
+
+
+_DETACHED_IN_PLACE = (
+    'Trying to use a saved tensor that has been detached in-place, i.e. '
+    'with .detach_().This is not supported, please use out-of-place '
+    '`.detach()` instead')
 
 
 def _modified_error(shape, saved, now):
@@ -91,7 +104,7 @@ class SavedTensors:
         rec.handles += 1
         rec.last_access = self.clock
         self._add_candidate(rec)
-        return SavedHandle(self, rec, key, ref)
+        return SavedHandle(self, rec, key, ref, t)
 
     def unpack(self, handle):
         if isinstance(handle, HeldSaved):
@@ -105,12 +118,26 @@ class SavedTensors:
         rec = handle.record
         rec.last_access = self.clock
         self.backward_clock = self.clock
-        alias = handle.alias()
-        now = handle.alias.dropped_version if alias is None \
-            else alias._version
+        saved = handle.saved()
+        if saved is not None:
+            if handle.had_grad_fn and saved.grad_fn is None:
+                raise RuntimeError(_DETACHED_IN_PLACE)  # autograd's words
+            now = saved._version
+        else:
+            alias = handle.alias()
+            now = handle.alias.dropped_version if alias is None \
+                else alias._version
         if now is not None and now != handle.alias_version:
             # written since it was saved: what eager autograd refuses
             raise _modified_error(handle.key[1], handle.alias_version, now)
+        if saved is not None and \
+                saved.untyped_storage()._cdata != handle.cdata:
+            raise MmdtrError(
+                f'a tensor of shape {tuple(saved.shape)} saved for backward '
+                'got another storage (`tensor.data = ...`) before backward; '
+                'eager autograd would read the new one, DTR cannot.',
+                'Write into the tensor (copy_) instead of replacing its '
+                '.data, or do it outside the DTR scope.')
         # writes that moved no counter of its (batch norm's statistics, an
         # alias with a counter of its own: unsafe_chunk's gates, .data):
         # eager hands it out as it is now

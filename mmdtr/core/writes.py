@@ -20,15 +20,21 @@ MAX_MUTATIONS = 8
 
 
 def bump_like_eager(written, versions) -> None:
-    """Bump the version counters a list-writing op left as they were.
+    """Bump the version counters of a list-writing op as eager does.
 
-    Eager autograd versions the tensors an in-place ``_foreach_`` op
-    writes; below a dispatch mode their kernels do not. The saved-tensor
-    check reads the counters (R10), and so may the user: they move as in
-    eager.
+    Eager autograd bumps the counter of each tensor an in-place
+    ``_foreach_`` op writes, once per element (a tensor listed twice, or
+    two views of one base, twice); below a dispatch mode their kernels bump
+    none. The saved-tensor check reads the counters (R10), and so may the
+    user: they move as in eager.
+
+    Args:
+        written (list): The tensors written, inference tensors left out
+            (they have no counter).
+        versions (list): Their versions before the call.
     """
-    for t, version in zip(written, versions):
-        if t._version == version:
+    if all(t._version == v for t, v in zip(written, versions)):
+        for t in written:
             torch.autograd.graph.increment_version(t)
 
 

@@ -305,3 +305,86 @@ def test_write_through_a_counter_of_its_own_is_used(same_under_dtr, case):
     stats = same_under_dtr(_forward_then_backward(forward, w))
     # resize_ is never replayed: g's current version is kept resident
     assert stats.evictions > 0 or case == 'resize_same'
+
+
+def test_foreach_bumps_each_element_as_eager(same_under_dtr):
+    # eager bumps a counter once per list element (a tensor listed twice,
+    # two views of one base); the engine bumped each counter once at most
+    def step():
+        a, b = torch.randn(4), torch.randn(4)
+        torch._foreach_add_([a, a], 1.0)
+        torch._foreach_mul_([b[:2], b[2:]], 2.0)
+        with torch.inference_mode():  # no counters: nothing to bump
+            c = torch.randn(3)
+            torch._foreach_add_([c, c], 1.0)
+        return [torch.tensor([a._version, b._version]), a, b, c]
+
+    same_under_dtr(step)
+
+
+@pytest.mark.parametrize('op', ['index_add_', 'scatter_'])
+def test_write_that_fails_half_way_is_never_replayed(same_under_dtr, op):
+    # an in-place op that raised after writing some rows: eager's backward
+    # reads the rows written; a rebuild replayed the recipe without them
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def forward():
+        h = x @ w
+        y = h.sin()  # saves h
+        with torch.no_grad(), pytest.raises((RuntimeError, IndexError)):
+            if op == 'index_add_':
+                h.detach().index_add_(0, torch.tensor([0, 1, 9]),
+                                      torch.ones(3, 8))
+            else:
+                h.detach().scatter_(0, torch.tensor([[0] * 8, [9] * 8]),
+                                    torch.ones(2, 8))
+        return y
+
+    same_under_dtr(_forward_then_backward(forward, w))
+
+
+def test_write_after_data_was_swapped_is_refused(refused_like_eager):
+    # .data = swaps the storage without a version bump; a later write moves
+    # the counter of the tensor object, not that of the old storage's
+    # alias, which an eviction had dropped: the object's counter is read
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def step():
+        e = (x @ w).exp()  # saves its output e
+        e.data = torch.zeros(4, 8)
+        torch.randn(64, 64).exp()  # evicts e's old storage
+        with torch.no_grad():
+            e.add_(1)
+        e.sum().backward()
+
+    refused_like_eager(step)
+
+
+def test_saved_tensor_detached_in_place_is_refused(refused_like_eager):
+    # saved-tensor hooks turn autograd's detach_() check off too; the
+    # engine sees it while the tensor object lives
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def step():
+        h = (x @ w) * 1
+        z = h.cos()  # saves h
+        h.detach_()
+        z.sum().backward()
+
+    refused_like_eager(step, match='detached in-place')
+
+
+def test_saved_tensor_given_another_storage_is_refused():
+    # eager would read the new storage through its saved tensor; the engine
+    # holds the old one: a clear error instead of another gradient
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with DTR(eviction_threshold=2**40, evictee_minimum_size=1):
+        h = x @ w
+        y = h.sin()  # saves h
+        h.data = torch.zeros(4, 8)
+        with pytest.raises(MmdtrError, match=r'\.data = \.\.\.'):
+            y.sum().backward()
