@@ -1,4 +1,5 @@
 """Shared by the tools' tests."""
+import importlib.util
 import os
 import os.path as osp
 import subprocess
@@ -50,3 +51,25 @@ class CannedLauncher:
 def canned_launcher():
     """The class :class:`CannedLauncher`."""
     return CannedLauncher
+
+
+def _load_tool(name):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not in a
+    package)."""
+    spec = importlib.util.spec_from_file_location(
+        f'mmdtr_{name}_tool', osp.join(REPO, 'tools', f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def tool():
+    """The module of tools/benchmark.py."""
+    return _load_tool('benchmark')
+
+
+@pytest.fixture(scope='module')
+def demo():
+    """The module of tools/demo.py."""
+    return _load_tool('demo')

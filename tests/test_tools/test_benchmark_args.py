@@ -1,6 +1,5 @@
 """tools/benchmark.py's arguments and inputs: everything wrong is refused in
 one line before any run starts, and failed runs make the tool fail."""
-import importlib.util
 import json
 import os.path as osp
 
@@ -10,17 +9,7 @@ import torch
 from mmdtr.errors import MmdtrError
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-TOOL = osp.join(REPO, 'tools', 'benchmark.py')
 RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
-
-
-@pytest.fixture(scope='module')
-def tool():
-    spec = importlib.util.spec_from_file_location('mmdtr_bench_tool', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 BAD_ARGUMENTS = [
     ('all', 'needs --capacity'),

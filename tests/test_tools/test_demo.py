@@ -1,5 +1,4 @@
 """tools/demo.py: bad input is refused in one line before anything trains."""
-import importlib.util
 import os
 import os.path as osp
 import subprocess
@@ -10,14 +9,6 @@ import pytest
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(REPO, 'tools', 'demo.py')
 RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
-
-
-@pytest.fixture(scope='module')
-def demo():
-    spec = importlib.util.spec_from_file_location('mmdtr_demo_tool', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize('argv, match', [
