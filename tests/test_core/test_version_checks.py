@@ -46,13 +46,7 @@ def test_write_through_data_is_used_as_eager_uses_it(same_under_dtr):
         a.data.mul_(2)
         return y
 
-    def step():
-        w.grad = None
-        y = forward()
-        torch.randn(64, 64).exp()  # evicts a at the smallest threshold
-        y.sum().backward()
-        return [w.grad]
-
+    step = _forward_then_backward(forward, w)
     assert same_under_dtr(step).recomputations > 0
 
 
@@ -190,12 +184,7 @@ def test_write_beside_a_saved_view_is_refused(refused_like_eager):
         base[:, 4:].mul_(3)
         return y  # base is no longer visible: evictable
 
-    def step():
-        y = forward()
-        torch.randn(64, 64).exp()  # evicts base at the smallest threshold
-        y.sum().backward()
-
-    refused_like_eager(step)
+    refused_like_eager(_forward_then_backward(forward, w))
 
 
 def test_set_on_a_saved_tensor_is_refused(refused_like_eager):
