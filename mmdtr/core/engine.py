@@ -3,31 +3,29 @@
 One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
 hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
 holds accounting, records and the dispatch hot path; the state's eviction,
-replay, saved-tensor and in-place write methods are grouped in the mixins
-of :mod:`.eviction`, :mod:`.replay`, :mod:`.saved_tensors` and
-:mod:`.writes`. The rules
+recipe, replay, saved-tensor and in-place write methods are grouped in the
+mixins of :mod:`.eviction`, :mod:`.recipes`, :mod:`.replay`,
+:mod:`.saved_tensors` and :mod:`.writes`. The rules
 cited as R1..R12 are in docs/design.md.
 """
 import random
-import weakref
 
 import torch
 
 from mmdtr.errors import MmdtrError
-from .cost_model import op_cost
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
-from .records import (AllocNode, HeldRef, OpNode, RecordRef, ScratchRef,
-                      SelfRef, StorageRecord, UserRefs, detached_alias,
-                      managed, view_meta)
+from .recipes import Recipes
+from .records import AllocNode, StorageRecord, StorageRef, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
-from .writes import Writes, bump_like_eager
+from .writes import Writes, bump_like_eager, versions_before
 
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 _STRIDED = torch.strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
@@ -70,16 +68,7 @@ def _input_storages(args, kwargs) -> set:
     }
 
 
-def _scratch_ref(a):
-    return ScratchRef(detached_alias(a)) if isinstance(a, Tensor) else a
-
-
-class _StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers its address and size."""
-    __slots__ = ('cdata', 'nbytes')
-
-
-class EngineState(Evictor, Replayer, SavedTensors, Writes):
+class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -100,7 +89,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
         if device is not None:
             self._meter_device(torch.device(device))
         self.records = {}  # storage address -> StorageRecord (R11)
-        # storage address -> _StorageRef: unrecorded replay outputs (R11)
+        # storage address -> StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
         # external storage address -> (UserRefs of users, weakref to it)
         self.external_users = {}
@@ -143,7 +132,7 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
 
     def _count(self, storage, cdata, nbytes, on_free):
         """Add ``storage`` to memory in use until ``on_free`` sees it go."""
-        wref = _StorageRef(storage, on_free)
+        wref = StorageRef(storage, on_free)
         wref.cdata, wref.nbytes = cdata, nbytes
         self.in_use += nbytes
         if self.in_use > self.peak and not self.cuda:
@@ -200,18 +189,15 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             for w in writes:
                 self._before_write(w)
         rng = self._capture_rng(args, kwargs) if info.random else None
-        if info.versions_lists:
-            lists = [w for w in writes if not w.is_inference()]
-            versions = [w._version for w in lists]
+        counted = versions_before(writes) if info.versions_lists else None
         try:
             out = self._run(func, args, kwargs, rng)
         except BaseException:
-            for w in writes:  # may have written a part: never replayed (R5)
-                self._after_write(w, None, info)
+            self._after_failed_write(writes, info)
             raise
         self.clock += 1
-        if info.versions_lists:
-            bump_like_eager(lists, versions)
+        if counted is not None:
+            bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
         replayable = info.replayable and (
@@ -269,12 +255,16 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             ]
             for w in writes:
                 self._before_write(w)
-        if info.versions_lists:
-            lists = [w for w in writes if not w.is_inference()]
-            versions = [w._version for w in lists]
-        out = func(*args, **kwargs)
-        if info.versions_lists:
-            bump_like_eager(lists, versions)
+        counted = versions_before([w for w in writes
+                                   if type(w) in _PLAIN]  # what eager bumps
+                                  ) if info.versions_lists else None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:
+            self._after_failed_write(writes, info)
+            raise
+        if counted is not None:
+            bump_like_eager(*counted)
         for w in writes:
             self._after_write(w, None, info)
         return out
@@ -329,27 +319,6 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
             new.append((i, self._register(storage, cdata)))
         return new
 
-    def _link(self, rec, node):
-        """Record ``rec`` as a user of every storage ``node`` reads."""
-        for ref in node.refs():
-            input_rec = getattr(ref, 'record', None)
-            if input_rec is not None:
-                if input_rec is not rec:
-                    rec.add_input(input_rec)
-            elif isinstance(ref, HeldRef) and \
-                    ref.tensor.layout is _STRIDED:  # sparse: no storage
-                storage = ref.tensor.untyped_storage()
-                entry = self.external_users.get(storage._cdata)
-                if entry is None:
-                    wref = _StorageRef(storage, self._forget_external)
-                    wref.cdata, wref.nbytes = storage._cdata, 0
-                    entry = self.external_users[storage._cdata] = (UserRefs(),
-                                                                   wref)
-                entry[0].add(rec)
-
-    def _forget_external(self, wref):
-        self.external_users.pop(wref.cdata, None)
-
     def _run(self, func, args, kwargs, rng=None):
         """Run an op; on CUDA, evict and retry while it runs out of memory.
 
@@ -364,65 +333,6 @@ class EngineState(Evictor, Replayer, SavedTensors, Writes):
                     raise
                 if rng is not None:
                     self._set_rng(rng)
-
-    def _mutation_target(self, written, full_overwrite):
-        for w in written:
-            rec = self.records.get(w.untyped_storage()._cdata)
-            if rec is not None and (rec.recomputable(rec.version) or
-                                    (full_overwrite and rec.lo is None)):
-                return rec.cdata
-        return None
-
-    def _make_node(self, func, args, kwargs, out, scratch, rng, target):
-        cost = op_cost(func, args, kwargs, out)
-        if scratch:  # arguments written as a side effect get copies (R6)
-            names = op_info(func).arg_names
-            scratch_names = {names[i] for i in scratch}
-            new_args = tuple(
-                _scratch_ref(a) if i in scratch else self._ref_arg(a, target)
-                for i, a in enumerate(args))
-            new_kwargs = {
-                k:
-                _scratch_ref(v) if k in scratch_names else self._ref_arg(
-                    v, target)
-                for k, v in kwargs.items()
-            }
-        else:
-            new_args = tuple([self._ref_arg(a, target) for a in args])
-            new_kwargs = {
-                k: self._ref_arg(v, target)
-                for k, v in kwargs.items()
-            }
-        return OpNode(func, new_args, new_kwargs, cost, rng)
-
-    def _ref_arg(self, a, target):
-        if isinstance(a, Tensor):
-            return self._ref(a, target)
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, Tensor):
-                    return type(a)([
-                        self._ref(c, target) if isinstance(c, Tensor) else c
-                        for c in a
-                    ])
-        return a
-
-    def _ref(self, t, target):
-        if not managed(t):  # held as it is (R4)
-            return HeldRef(detached_alias(t), None, None)
-        cdata = t.untyped_storage()._cdata
-        if cdata == target:
-            return SelfRef(view_meta(t))
-        rec = self.records.get(cdata)
-        if rec is not None:
-            rec.last_access = self.clock
-            if rec.recomputable(rec.version):
-                return RecordRef(rec, rec.version, view_meta(t))
-            return HeldRef(detached_alias(t), rec, rec.version)
-        if t.grad_fn is None:  # a leaf: holding it makes no cycle
-            return HeldRef(t, None, t._version, cdata)
-        # below autograd, detach() gets a fresh version counter: no check
-        return HeldRef(detached_alias(t), None, None)
 
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""

@@ -45,6 +45,11 @@ def detached_alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+class StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers its address and size."""
+    __slots__ = ('cdata', 'nbytes')
+
+
 class RecordRef:
     """An input read from a recorded storage at ``version``."""
     __slots__ = ('record', 'version', 'meta')
@@ -304,6 +309,7 @@ class StorageRecord:
         return self.users.live() if self.users is not None else []
 
     def has_live_users(self) -> bool:
+        """Whether a record whose recipe reads this one is alive."""
         return self.users is not None and any(ref() is not None
                                               for ref in self.users)
 

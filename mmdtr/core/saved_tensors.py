@@ -25,22 +25,23 @@ class AliasRef(weakref.ref):
 class SavedHandle:
     """What autograd keeps instead of a managed saved tensor (R10).
 
-    ``alias`` is the :class:`AliasRef` of the alias made at the save and
-    ``alias_version`` the version counter then: whether a write autograd
-    versions reached the saved tensor since is exactly whether the counter
-    moved, writes after the engine's scope included. While the saved tensor
-    itself lives (``saved``, a weak reference), its own counter is read, and
-    an in-place ``detach_()`` or a storage swapped under it (``.data =``)
-    is seen.
+    Autograd refuses a saved tensor whose version counter moved since the
+    save. While the saved tensor itself lives (``saved``, a weak reference)
+    its counter is read and compared with ``version``, its value at the
+    save, and a tensor given another storage or view since (``.data = ...``
+    leaves no version behind) is refused. Afterwards, ``alias`` is the
+    :class:`AliasRef` of the alias made at a save of that view (it shares
+    the saved tensor's counter unless two tensors with different counters
+    were saved with the same view) and ``alias_version`` its counter then.
     """
     __slots__ = ('state', 'record', 'key', 'alias', 'alias_version', 'saved',
-                 'cdata', 'had_grad_fn')
+                 'version', 'cdata')
 
     def __init__(self, state, record, key, alias, saved):
         self.state, self.record, self.key = state, record, key
         self.alias, self.alias_version = alias, alias()._version
-        self.saved, self.cdata = weakref.ref(saved), record.cdata
-        self.had_grad_fn = saved.grad_fn is not None
+        self.saved, self.version = weakref.ref(saved), saved._version
+        self.cdata = record.cdata
 
     def __del__(self):
         self.state.release(self.record)
@@ -62,12 +63,6 @@ class HeldSaved:
         self.version = tensor._version
         self.tensor = detached_alias(tensor) if type(tensor) in _PLAIN \
             else tensor
-
-
-_DETACHED_IN_PLACE = (
-    'Trying to use a saved tensor that has been detached in-place, i.e. '
-    'with .detach_().This is not supported, please use out-of-place '
-    '`.detach()` instead')
 
 
 def _modified_error(shape, saved, now):
@@ -120,24 +115,25 @@ class SavedTensors:
         self.backward_clock = self.clock
         saved = handle.saved()
         if saved is not None:
-            if handle.had_grad_fn and saved.grad_fn is None:
-                raise RuntimeError(_DETACHED_IN_PLACE)  # autograd's words
-            now = saved._version
+            if saved._version != handle.version:
+                # written since it was saved: what eager autograd refuses
+                raise _modified_error(handle.key[1], handle.version,
+                                      saved._version)
+            if saved.untyped_storage()._cdata != handle.cdata \
+                    or view_meta(saved) != handle.key:
+                raise MmdtrError(
+                    f'a tensor of shape {tuple(saved.shape)} saved for '
+                    'backward was given another storage or view '
+                    '(`tensor.data = ...`) before backward; eager autograd '
+                    'would read the new one, DTR cannot.',
+                    'Write into the tensor (copy_) instead of replacing '
+                    'its .data, or do it outside the DTR scope.')
         else:
             alias = handle.alias()
             now = handle.alias.dropped_version if alias is None \
                 else alias._version
-        if now is not None and now != handle.alias_version:
-            # written since it was saved: what eager autograd refuses
-            raise _modified_error(handle.key[1], handle.alias_version, now)
-        if saved is not None and \
-                saved.untyped_storage()._cdata != handle.cdata:
-            raise MmdtrError(
-                f'a tensor of shape {tuple(saved.shape)} saved for backward '
-                'got another storage (`tensor.data = ...`) before backward; '
-                'eager autograd would read the new one, DTR cannot.',
-                'Write into the tensor (copy_) instead of replacing its '
-                '.data, or do it outside the DTR scope.')
+            if now is not None and now != handle.alias_version:
+                raise _modified_error(handle.key[1], handle.alias_version, now)
         # writes that moved no counter of its (batch norm's statistics, an
         # alias with a counter of its own: unsafe_chunk's gates, .data):
         # eager hands it out as it is now

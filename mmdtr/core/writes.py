@@ -19,6 +19,13 @@ from .records import AllocNode
 MAX_MUTATIONS = 8
 
 
+def versions_before(written) -> tuple:
+    """The tensors of a list-writing op that have version counters
+    (inference tensors have none), and their versions before the call."""
+    counted = [t for t in written if not t.is_inference()]
+    return counted, [t._version for t in counted]
+
+
 def bump_like_eager(written, versions) -> None:
     """Bump the version counters of a list-writing op as eager does.
 
@@ -149,6 +156,14 @@ class Writes:
             rec.hi = rec.version - 1  # older versions stay recomputable
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
+
+    def _after_failed_write(self, written, info):
+        """An op raised: it may have written a part of what it writes, so
+        those versions are never replayed (R5). (A failure before any
+        write, an out-of-memory error say, keeps them resident all the
+        same: exact, at a cost in memory.)"""
+        for t in written:
+            self._after_write(t, None, info)
 
     def _resized(self, rec, nbytes):
         if self.device is None and nbytes:

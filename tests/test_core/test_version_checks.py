@@ -351,29 +351,99 @@ def test_write_after_data_was_swapped_is_refused(refused_like_eager):
     refused_like_eager(step)
 
 
-def test_saved_tensor_detached_in_place_is_refused(refused_like_eager):
-    # saved-tensor hooks turn autograd's detach_() check off too; the
-    # engine sees it while the tensor object lives
+@pytest.mark.parametrize('new', ['storage', 'view'])
+def test_saved_tensor_given_another_storage_is_refused(new):
+    # eager would read the new storage (or view) through its saved tensor;
+    # the engine holds the old one: a clear error, not another gradient
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8)
+    with DTR(eviction_threshold=2**40, evictee_minimum_size=1):
+        h = x @ w
+        y = h.sin()  # saves h
+        h.data = torch.zeros(8, 8) if new == 'storage' else h.data.t()
+        with pytest.raises(MmdtrError, match=r'\.data = \.\.\.'):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize('first', ['tensor', 'data'])
+def test_two_counters_saved_with_one_view(same_under_dtr, first):
+    # a tensor and its .data (a counter of its own, at another version)
+    # saved with the same view share the engine's alias; each is checked
+    # against its own counter while it lives (one was checked against the
+    # other's and refused with nothing written)
+    w = torch.randn(8, 8, requires_grad=True)
+    v = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def step():
+        w.grad = v.grad = None
+        a = x @ w
+        a.mul_(2)  # a at version 1, a.data at version 0
+        b = a.data
+        if first == 'tensor':
+            y1, y2 = a.sin(), b * v
+        else:
+            y2, y1 = b * v, a.sin()
+        (y1.sum() + y2.sum()).backward()
+        return [w.grad, v.grad]
+
+    same_under_dtr(step)
+
+
+def test_saved_output_detached_in_place_is_used_as_eager(same_under_dtr):
+    # eager refuses a saved input detached in place, not a saved output
+    # (its node gives it its grad_fn back); the engine checked neither
+    # before and must not refuse the output now
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
 
     def step():
-        h = (x @ w) * 1
-        z = h.cos()  # saves h
-        h.detach_()
+        w.grad = None
+        e = (x @ w).exp()  # saves its output
+        z = e * 2
+        e.detach_()
         z.sum().backward()
+        return [w.grad]
 
-    refused_like_eager(step, match='detached in-place')
+    same_under_dtr(step)
 
 
-def test_saved_tensor_given_another_storage_is_refused():
-    # eager would read the new storage through its saved tensor; the engine
-    # holds the old one: a clear error instead of another gradient
+class _Forwarding(torch.Tensor):
+    """A subclass whose ops run on plain data (the engine's subclass path).
+    """
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with torch._C._DisableTorchDispatch():
+            return func(*args, **(kwargs or {}))
+
+
+def test_half_done_write_with_a_subclass_argument(same_under_dtr):
+    # the subclass path ran the op with no handler: rows written before
+    # the error were lost to a rebuild
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
-    with DTR(eviction_threshold=2**40, evictee_minimum_size=1):
+
+    def forward():
         h = x @ w
         y = h.sin()  # saves h
-        h.data = torch.zeros(4, 8)
-        with pytest.raises(MmdtrError, match=r'\.data = \.\.\.'):
-            y.sum().backward()
+        source = torch.ones(3, 8).as_subclass(_Forwarding)
+        with torch.no_grad(), pytest.raises((RuntimeError, IndexError)):
+            h.detach().index_add_(0, torch.tensor([0, 1, 9]), source)
+        return y
+
+    same_under_dtr(_forward_then_backward(forward, w))
+
+
+def test_foreach_on_wrapper_subclasses_bumps_nothing():
+    # eager does not bump the counters of wrapper subclasses in a foreach
+    # list; the engine bumped them
+    from torch.testing._internal.two_tensor import TwoTensor
+    versions = []
+    for under_dtr in (False, True):
+        a = TwoTensor(torch.randn(3), torch.randn(3))
+        with DTR(eviction_threshold='1GB') if under_dtr \
+                else torch.enable_grad():
+            torch._foreach_add_([a, a], 1.0)
+        versions.append(a._version)
+    assert versions[0] == versions[1]
