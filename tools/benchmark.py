@@ -35,6 +35,7 @@ from mmdtr.core.policies import POLICIES
 from mmdtr.core.sizes import format_size, parse_size
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import CfgOptionsAction
+from mmdtr.utils.work_dirs import check_work_dir
 
 COMMANDS = ('sweep', 'compare', 'largest-batch', 'all', 'report')
 DEFAULT_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.25)
@@ -293,6 +294,8 @@ def main(argv=None) -> int:
     check_args(args)
     name = osp.splitext(osp.basename(args.config))[0]
     work_dir = args.work_dir or osp.join('work_dirs', 'benchmark', name)
+    check_work_dir(work_dir,
+                   '--work-dir' if args.work_dir else 'the default work dir')
     json_path = osp.join(work_dir, 'results.json')
     # a results.json that is not the benchmark's is refused before any run
     results = read_results(json_path)

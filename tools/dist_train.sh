@@ -20,11 +20,12 @@ if [ -z "$CONFIG" ] || [ -z "$NPROC" ]; then
     echo "$USAGE" >&2
     exit 2
 fi
-if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-    echo "$USAGE" >&2
-    echo "$0: error: NPROC '$NPROC' is not accepted; give a positive" \
-        "integer, the number of processes per node" >&2
-    exit 2
+if ! [[ "$NPROC" =~ ^([1-9][0-9]*|auto|cpu|gpu|xpu)$ ]]; then
+    # torchrun's own answer would be a traceback
+    echo "MmdtrError: mmdtr: NPROC '$NPROC' is not accepted; accepted: a" \
+        "positive integer (processes per node) or auto, cpu, gpu, xpu" \
+        "(as torchrun's --nproc_per_node). Hint: e.g. $USAGE" >&2
+    exit 1
 fi
 if [ ! -f "$CONFIG" ]; then
     # refused here: from inside torchrun it would end in torchrun's traceback

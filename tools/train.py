@@ -22,6 +22,7 @@ from mmdtr.adapters.runner import (MMDTRRunner, amp_convertible,
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
                                      read_config)
+from mmdtr.utils.work_dirs import check_work_dir
 
 
 def parse_args(argv=None):
@@ -63,37 +64,6 @@ def parse_args(argv=None):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
-
-
-def check_work_dir(work_dir, key: str = '--work-dir') -> None:
-    """Refuse a work dir that cannot be made: a file, or under one.
-
-    Args:
-        work_dir (str): The work dir.
-        key (str): Where it was given, for the message.
-
-    Raises:
-        MmdtrError: If ``work_dir`` is not a path, or it or its nearest
-            existing ancestor is not a writable directory.
-    """
-    if not isinstance(work_dir, str) or not work_dir:
-        raise MmdtrError(
-            f'{key} {work_dir!r} is not a directory path.',
-            hint='e.g. --work-dir work_dirs/run1.')
-    existing = osp.abspath(work_dir)
-    while not osp.exists(existing):
-        existing = osp.dirname(existing)
-    if not osp.isdir(existing):
-        where = 'is' if existing == osp.abspath(work_dir) else 'is under'
-        raise MmdtrError(
-            f'{key} {work_dir!r} {where} the file {existing!r}; a work dir '
-            'must be a directory.',
-            hint='give a directory path, e.g. --work-dir work_dirs/run1.')
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise MmdtrError(
-            f'{key} {work_dir!r} cannot be made: {existing!r} is not '
-            'writable.',
-            hint='give a directory you can write to.')
 
 
 def check_checkpoint(path: str) -> None:
@@ -144,13 +114,14 @@ def build_cfg(args) -> Config:
                 '--amp needs an optim_wrapper dict in the config, got '
                 f"{cfg.get('optim_wrapper')!r}.",
                 hint='set optim_wrapper = dict(optimizer=...) or drop --amp.')
-        check_amp_available(dict(type='AmpOptimWrapper'))
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
         if not amp_convertible(optim_wrapper):
             raise MmdtrError(
                 f'--amp needs optim_wrapper.type OptimWrapper or '
                 f'AmpOptimWrapper, got {optim_wrapper!r}.',
-                hint='configure AMP in that wrapper itself, or drop --amp.')
+                hint='configure AMP in that wrapper itself (e.g. '
+                "InplaceOptimWrapper's amp=dict(...)), or drop --amp.")
+        check_amp_available(dict(type='AmpOptimWrapper'))
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     check_amp_available(cfg.get('optim_wrapper'))

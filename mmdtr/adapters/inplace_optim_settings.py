@@ -22,7 +22,7 @@ KEY = 'optim_wrapper'
 WRAPPER_KEYS = ('optimizer', 'accumulative_counts', 'clip_grad',
                 'step_in_backward', 'amp')
 #: Keys of an ``optim_wrapper`` config that MMEngine's builder reads itself.
-BUILDER_KEYS = ('type', 'constructor', 'paramwise_cfg')
+BUILDER_KEYS = ('type', '_scope_', 'constructor', 'paramwise_cfg')
 AMP_KEYS = ('dtype', 'loss_scale')
 AMP_DTYPES = ('float16', 'bfloat16')
 #: ``clip_grad`` types, as MMEngine's ``OptimWrapper`` accepts them.

@@ -223,6 +223,17 @@ class InplaceOptimWrapper(OptimWrapper):
         release_grads(self.optimizer)
         self._stepped_since_backward = True
 
+    def zero_grad(self, **kwargs) -> None:
+        """Zero the gradients; with ``step_in_backward``, also forget a
+        backward left without its :meth:`step` (code that raised between
+        them and carries on calls this first).
+
+        Args:
+            **kwargs: Keyword arguments of ``optimizer.zero_grad``.
+        """
+        super().zero_grad(**kwargs)
+        self._stepped_since_backward = True
+
     @contextmanager
     def optim_context(self, model: nn.Module):
         """Skip gradient sync while accumulating; autocast under AMP.
@@ -242,9 +253,6 @@ class InplaceOptimWrapper(OptimWrapper):
                 'parameter would step with its local gradient before it is '
                 'reduced across ranks; accepted: an unwrapped model.',
                 hint='use step_in_backward=False for distributed training.')
-        # a new training step: a backward left without its step by an
-        # iteration that raised is not this step's
-        self._stepped_since_backward = True
         autocast = (
             torch.autocast(self.amp_device, dtype=self.cast_dtype)
             if self.amp else nullcontext())

@@ -96,11 +96,12 @@ def _wrapper_cfgs(optim_wrapper) -> list:
 
 
 def _is_inplace(wrapper_type) -> bool:
+    """Whether the type is ``InplaceOptimWrapper`` itself (a subclass may
+    take arguments of its own: its constructor checks them)."""
     if isinstance(wrapper_type, str):
         return wrapper_type.split('.')[-1] == 'InplaceOptimWrapper'
     from .inplace_optim_wrapper import InplaceOptimWrapper
-    return isinstance(wrapper_type, type) and issubclass(
-        wrapper_type, InplaceOptimWrapper)
+    return wrapper_type is InplaceOptimWrapper
 
 
 @config_check

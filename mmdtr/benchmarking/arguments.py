@@ -22,6 +22,9 @@ AT_LEAST = dict(
     repeats=1,
     threads=1,
     max_batch=1)
+#: The longest ``--timeout``: waits on a run's result take at most
+#: 2**31 - 1 milliseconds, less the grace a run gets after its timeout.
+MAX_TIMEOUT_S = 2_000_000
 #: The seeds ``torch.manual_seed`` takes.
 SEEDS = (-2**63, 2**64 - 1)
 
@@ -80,11 +83,12 @@ def check_numbers(args) -> None:
         if value is not None and value < least:
             flag = '--' + dest.replace('_', '-')
             raise MmdtrError(f'{flag} {value} must be at least {least}.')
-    if args.timeout is not None and not (math.isfinite(args.timeout)
-                                         and args.timeout > 0):
+    if args.timeout is not None and not (math.isfinite(args.timeout) and
+                                         0 < args.timeout <= MAX_TIMEOUT_S):
         raise MmdtrError(
-            f'--timeout {args.timeout:g} is not accepted: give a positive '
-            'number of seconds per run.',
+            f'--timeout {args.timeout:.15g} is not accepted: give a positive '
+            f'number of seconds per run, at most {MAX_TIMEOUT_S} (what a '
+            'run can wait on its result).',
             hint='leave --timeout out for no limit.')
     if not SEEDS[0] <= args.seed <= SEEDS[1]:
         raise MmdtrError(f'--seed {args.seed} is out of the range '

@@ -161,3 +161,24 @@ def test_step_in_backward_refused_with_a_launcher(launcher):
                         discriminator=dict(
                             optimizer=dict(type='SGD', lr=0.1))),
                     launcher=launcher)))
+
+
+def test_keys_of_the_builder_and_of_subclasses_pass(tmp_path):
+    # MMEngine's registry takes _scope_ itself, and a subclass may take
+    # arguments of its own (its constructor checks them): both were refused
+    # at translation, where MMEngine builds them
+    from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
+
+    class LoggingInplace(InplaceOptimWrapper):
+
+        def __init__(self, *args, log_every=5, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.log_every = log_every
+
+    sgd = dict(type='SGD', lr=0.1)
+    for wrapper in (dict(
+            type='InplaceOptimWrapper', _scope_='mmdtr', optimizer=sgd),
+                    dict(type=LoggingInplace, optimizer=sgd, log_every=2)):
+        translate_memory_keys(Config(dict(optim_wrapper=wrapper)))
+        built = build_optim_wrapper(nn.Linear(2, 2), wrapper)
+        assert isinstance(built, InplaceOptimWrapper)

@@ -289,7 +289,21 @@ def test_step_in_backward_trains_on_after_a_failed_iteration(fails_in):
             wrapper.backward(loss)
             raise ValueError('loss spike')
     guard.remove()
+    if fails_in == 'train_step':  # the caller gives the step up
+        wrapper.zero_grad()
     train(model, wrapper, 2, start=1)
+
+
+def test_step_in_backward_refuses_accumulation_by_hand():
+    # MMEngine's accumulation idiom enters optim_context once per
+    # micro-batch: each backward steps every parameter on a partial
+    # gradient, and the refusal must not be reset there
+    model, wrapper = build(InplaceOptimWrapper, step_in_backward=True)
+    with pytest.raises(MmdtrError, match='two backward calls'):
+        for i in range(2):
+            with wrapper.optim_context(model):
+                loss = model(tokens(i))
+            wrapper.backward(loss)
 
 
 def test_amp_matches_autocast_and_grad_scaler():

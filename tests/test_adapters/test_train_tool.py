@@ -122,10 +122,14 @@ def test_amp_takes_mmengine_wrappers_however_spelt(train_tool, toy_config,
     assert not runner_module.amp_convertible(InplaceOptimWrapper)
 
 
-def test_amp_on_cpu_says_so_whatever_the_wrapper(train_tool, toy_config):
-    with pytest.raises(MmdtrError, match='needs a CUDA, NPU or MLU device'):
+def test_amp_with_another_wrapper_points_to_its_own_amp(
+        train_tool, toy_config):
+    # on CPU this said AMP needs CUDA and to use OptimWrapper
+    with pytest.raises(MmdtrError, match='--amp needs optim_wrapper.type') \
+            as info:
         build(train_tool, toy_config, '--amp', '--cfg-options',
               'optim_wrapper.type=mmdtr.InplaceOptimWrapper')
+    assert 'amp=dict' in info.value.hint
 
 
 @pytest.mark.parametrize('options, match', [
@@ -246,9 +250,25 @@ def test_dist_train_refuses_a_bad_nproc(toy_config, nproc, tmp_path):
         capture_output=True,
         text=True,
         timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith('usage: ')
-    assert f"NPROC '{nproc}' is not accepted" in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        f"MmdtrError: mmdtr: NPROC '{nproc}' is not accepted")
+    assert proc.stderr.count('\n') == 1  # one line
+
+
+@pytest.mark.parametrize('nproc', ['2', 'auto', 'cpu'])
+def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
+    # auto and cpu (one process per core) were refused
+    proc = subprocess.run(
+        ['bash',
+         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, nproc],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHON='echo'),  # prints the command instead
+        capture_output=True,
+        text=True,
+        timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f'--nproc_per_node={nproc}' in proc.stdout
 
 
 def test_dist_train_refuses_a_missing_config(tmp_path):

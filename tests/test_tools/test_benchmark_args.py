@@ -30,7 +30,7 @@ TOO_LOW = ('--batch-size 0', '--steps 0', '--warmup -1', '--threads -1',
            '--image-size 0', '--seq-len 0', '--max-batch 0')
 BAD_ARGUMENTS += [(f'sweep {v}', f'{v} must be at least') for v in TOO_LOW]
 BAD_ARGUMENTS += [(f'sweep --timeout {v}', f'--timeout {v} is not accepted')
-                  for v in ('0', '-1', 'inf')]
+                  for v in ('0', '-1', 'inf', '3000000')]
 BAD_ARGUMENTS += [(f'sweep --device {v}', f"--device '{v}' is not accepted")
                   for v in ('foo', 'mps', 'CPU', 'cuda:x')]
 
@@ -143,3 +143,15 @@ def test_bad_argument_is_one_line(tmp_path, benchmark_cli):
     proc = benchmark_cli('sweep', '--steps', '0', '--work-dir', str(tmp_path))
     assert proc.returncode == 1
     assert proc.stderr == 'MmdtrError: mmdtr: --steps 0 must be at least 1.\n'
+
+
+def test_work_dir_under_a_file_is_refused(tool, tmp_path, canned):
+    # a NotADirectoryError traceback from the launcher's makedirs
+    (tmp_path / 'f').write_text('')
+    launcher = canned()
+    with pytest.raises(MmdtrError, match='must be a directory'):
+        tool.main([
+            RESNET, 'sweep', '--work-dir',
+            str(tmp_path / 'f' / 'sub'), '--no-prime', '--no-progress'
+        ])
+    assert launcher.calls == []
