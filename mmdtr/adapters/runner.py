@@ -41,23 +41,29 @@ from .inplace_optim_settings import (check_accumulative_counts,
                                      check_wrapper_config)
 
 
-def _is_amp(wrapper_type) -> bool:
+def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
+    """Whether a config's ``type`` is ``cls``: its name, scoped or not, or
+    the class itself (new-style configs), or with ``subclasses`` one of
+    its subclasses."""
     if isinstance(wrapper_type, str):
-        return wrapper_type.split('.')[-1] == 'AmpOptimWrapper'
+        return wrapper_type.split('.')[-1] == cls.__name__
+    if subclasses:
+        return isinstance(wrapper_type, type) and issubclass(wrapper_type, cls)
+    return wrapper_type is cls
+
+
+def _is_amp(wrapper_type) -> bool:
     from mmengine.optim import AmpOptimWrapper
-    return isinstance(wrapper_type, type) and issubclass(
-        wrapper_type, AmpOptimWrapper)
+    return _is_wrapper(wrapper_type, AmpOptimWrapper, subclasses=True)
 
 
 def amp_convertible(wrapper_type) -> bool:
     """Whether ``--amp`` may make ``wrapper_type`` an ``AmpOptimWrapper``:
     MMEngine's ``OptimWrapper`` or ``AmpOptimWrapper``, as a name (scoped or
     not) or as the class (new-style configs)."""
-    if isinstance(wrapper_type, str):
-        return wrapper_type.split('.')[-1] in ('OptimWrapper',
-                                               'AmpOptimWrapper')
     from mmengine.optim import AmpOptimWrapper, OptimWrapper
-    return wrapper_type in (OptimWrapper, AmpOptimWrapper)
+    return _is_wrapper(wrapper_type, OptimWrapper) or _is_wrapper(
+        wrapper_type, AmpOptimWrapper)
 
 
 def check_amp_available(optim_wrapper: Optional[dict]) -> None:
@@ -98,10 +104,8 @@ def _wrapper_cfgs(optim_wrapper) -> list:
 def _is_inplace(wrapper_type) -> bool:
     """Whether the type is ``InplaceOptimWrapper`` itself (a subclass may
     take arguments of its own: its constructor checks them)."""
-    if isinstance(wrapper_type, str):
-        return wrapper_type.split('.')[-1] == 'InplaceOptimWrapper'
     from .inplace_optim_wrapper import InplaceOptimWrapper
-    return wrapper_type is InplaceOptimWrapper
+    return _is_wrapper(wrapper_type, InplaceOptimWrapper)
 
 
 @config_check

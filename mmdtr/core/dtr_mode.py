@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
 from mmdtr.errors import MmdtrError
 from .engine import EngineState, oom_eviction_needs_cuda
 from .policies import build_policy
+from .records import _PLAIN
 from .sizes import parse_size
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_TYPES = ('cpu', 'cuda')
 _ACTIVE = threading.local()  # .engine: the engine active on this thread
 

@@ -16,7 +16,7 @@ from mmdtr.errors import MmdtrError
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
 from .recipes import Recipes
-from .records import AllocNode, StorageRecord, StorageRef, managed
+from .records import _PLAIN, AllocNode, StorageRecord, StorageRef, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
@@ -25,7 +25,6 @@ _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 _STRIDED = torch.strided
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
@@ -230,8 +229,8 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             self._after_write(
                 w, None if w.requires_grad and w.grad_fn is None
                 and w._base is None else mutation, info)
-        for i in range(n_declared, len(writes)):  # never replayed (R5)
-            self._after_write(writes[i], None, info)
+        for w in writes[n_declared:]:  # never replayed: caps hi (R5)
+            self._after_write(w, None, info)
         memory = self.memory_in_use()
         if self.cuda and memory > self.peak:
             self.peak = memory
@@ -281,8 +280,8 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
             scratch = info.side_effect_args
-            for i in scratch:
-                writes += _tensors_in([get_arg(info, args, kwargs, i)])
+            writes += _tensors_in(
+                get_arg(info, args, kwargs, i) for i in scratch)
         return writes, n_declared, scratch
 
     def _register_outputs(self, out, args, kwargs, fresh_returns):
