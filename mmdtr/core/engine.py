@@ -6,7 +6,7 @@ holds accounting, records and the dispatch hot path; the state's eviction,
 recipe, replay, saved-tensor and in-place write methods are grouped in the
 mixins of :mod:`.eviction`, :mod:`.recipes`, :mod:`.replay`,
 :mod:`.saved_tensors` and :mod:`.writes`. The rules
-cited as R1..R12 are in docs/design.md.
+cited as R1..R13 are in docs/design.md.
 """
 import random
 
@@ -15,8 +15,8 @@ import torch
 from mmdtr.errors import MmdtrError
 from .eviction import Evictor
 from .op_semantics import batch_norm_in_training, get_arg, op_info
-from .recipes import Recipes
-from .records import _PLAIN, AllocNode, StorageRecord, StorageRef, managed
+from .recipes import AllocNode, Recipes
+from .records import _PLAIN, StorageRecord, StorageRef, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
@@ -90,7 +90,7 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         self.records = {}  # storage address -> StorageRecord (R11)
         # storage address -> StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
-        # external storage address -> (UserRefs of users, weakref to it)
+        # external storage address -> (WeakList of users, weakref to it)
         self.external_users = {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
@@ -305,8 +305,10 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
                 continue  # not a tensor, or held: see managed()
             storage = o.untyped_storage()
             cdata = storage._cdata
-            if cdata in records:
-                continue  # a view or write of a storage we know
+            rec = records.get(cdata)
+            if rec is not None:  # a view or write of a storage we know
+                rec.track(o)
+                continue
             if not fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
                     inputs = _input_storages(args, kwargs)
@@ -315,7 +317,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows
                 # them, R11)
-            new.append((i, self._register(storage, cdata)))
+            rec = self._register(storage, cdata)
+            rec.track(o)
+            new.append((i, rec))
         return new
 
     def _run(self, func, args, kwargs, rng=None):
@@ -336,6 +340,8 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""
         self.closed = True
+        for rec in self.records.values():
+            rec.close_versions()  # later writes are unseen (R13)
         self.records = {}
         self.transients = {}
         self.external_users = {}

@@ -1,20 +1,127 @@
 """Recipes: how an op's call is recorded so that it can be replayed.
 
-The recipe half of :class:`~mmdtr.core.engine.EngineState` (one state
-object per engine; this mixin only groups its methods): each tensor
-argument of a recorded call becomes a reference that says how to get it back
-at the version the call read (rule R4 of docs/design.md), and the records
-are linked both ways to the records their recipes read (R8, R10).
+An :class:`OpNode` is one recorded call with its tensor arguments replaced
+by references (:class:`RecordRef`, :class:`HeldRef`, ...) that say how to
+get each input back at the version that call read (rule R4 of
+docs/design.md). :class:`Recipes` is the recipe half of
+:class:`~mmdtr.core.engine.EngineState` (one state object per engine; the
+mixin only groups its methods): it builds the nodes and links the records
+both ways to the records their recipes read (R8, R10).
 """
+import weakref
+
 import torch
 
 from .cost_model import op_cost
 from .op_semantics import op_info
-from .records import (HeldRef, OpNode, RecordRef, ScratchRef, SelfRef,
-                      StorageRef, UserRefs, detached_alias, managed, view_meta)
+from .records import StorageRef, WeakList, detached_alias, managed, view_meta
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
+
+
+class RecordRef:
+    """An input read from a recorded storage at ``version``."""
+    __slots__ = ('record', 'version', 'meta')
+
+    def __init__(self, record, version, meta):
+        self.record, self.version, self.meta = record, version, meta
+
+
+class HeldRef:
+    """An input the engine holds on to: external, or not recomputable.
+
+    ``version`` is checked on replay against the record's version (storages
+    allocated in scope) or the tensor's ``_version``: an external leaf is
+    held as itself; an external non-leaf is held as a detached alias (no
+    reference cycle through its ``grad_fn``, R10), whose counter is its own,
+    so the tensor's is read through ``wref`` while it lives (R13). ``None``
+    skips the check (tensors the engine does not manage). ``cdata``, for
+    external leaves, is the storage they had: ``leaf.data = other`` swaps it
+    without a version bump.
+    """
+    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wref')
+
+    def __init__(self, tensor, record, version, cdata=None, wref=None):
+        self.tensor, self.record, self.version = tensor, record, version
+        self.cdata, self.wref = cdata, wref
+
+    def current_version(self):
+        if self.record is not None:
+            return self.record.version
+        if self.version is None:
+            return None
+        if self.wref is None:
+            return self.tensor._version
+        t = self.wref()  # gone, or pointed elsewhere (set_): nothing to read
+        if t is None or t.untyped_storage()._cdata != \
+                self.tensor.untyped_storage()._cdata:
+            return self.version
+        return t._version
+
+
+class SelfRef:
+    """In a mutation node: a view of the storage being rebuilt."""
+    __slots__ = ('meta', )
+
+    def __init__(self, meta):
+        self.meta = meta
+
+
+class ScratchRef:
+    """An argument the op writes as a side effect; replay gets a copy."""
+    __slots__ = ('tensor', )
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+_REFS = (RecordRef, HeldRef, SelfRef, ScratchRef)
+
+
+class OpNode:
+    """One recorded call: ``func(*args, **kwargs)`` with references.
+
+    Args:
+        func: The ``OpOverload``.
+        args (tuple): Arguments, tensors replaced by references (one level
+            of lists/tuples is searched, as aten ops take tensor lists).
+        kwargs (dict): Keyword arguments, likewise.
+        cost (float): Cost of the call in FLOP-equivalents.
+        rng (tuple | None): ``(generator, state)`` of a random op.
+
+    Attributes:
+        default_dtype (torch.dtype): The default dtype at the call, which
+            factories without a dtype and type promotion (``int * 0.5``)
+            read; a replay runs under it (R4).
+    """
+    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng', 'default_dtype')
+
+    def __init__(self, func, args, kwargs, cost, rng=None):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.cost, self.rng = cost, rng
+        self.default_dtype = torch.get_default_dtype()
+
+    def refs(self):
+        """Yield every reference among the arguments."""
+        for a in (*self.args, *self.kwargs.values()):
+            if isinstance(a, _REFS):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _REFS):
+                        yield b
+
+
+class AllocNode:
+    """Creator of a fresh buffer (``empty``, ``zeros`` and friends, R5)."""
+    __slots__ = ('nbytes', 'device', 'cost')
+
+    def __init__(self, nbytes, device):
+        self.nbytes, self.device, self.cost = nbytes, device, 1.0
+
+    def refs(self):
+        return iter(())
 
 
 def _scratch_ref(a):
@@ -22,7 +129,7 @@ def _scratch_ref(a):
 
 
 class Recipes:
-    """Builds :class:`~mmdtr.core.records.OpNode` recipes; mixed into
+    """Builds :class:`OpNode` recipes; mixed into
     ``EngineState``.
 
     Uses the state's ``records``, ``external_users`` and ``clock``.
@@ -82,10 +189,14 @@ class Recipes:
             if rec.recomputable(rec.version):
                 return RecordRef(rec, rec.version, view_meta(t))
             return HeldRef(detached_alias(t), rec, rec.version)
+        if t.is_inference():  # no version counter (no grad_fn either)
+            return HeldRef(t, None, None)
         if t.grad_fn is None:  # a leaf: holding it makes no cycle
             return HeldRef(t, None, t._version, cdata)
-        # below autograd, detach() gets a fresh version counter: no check
-        return HeldRef(detached_alias(t), None, None)
+        # below autograd, detach() gets a fresh version counter: the
+        # tensor's own is read through a weak reference (R13)
+        return HeldRef(
+            detached_alias(t), None, t._version, None, weakref.ref(t))
 
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""
@@ -101,7 +212,7 @@ class Recipes:
                 if entry is None:
                     wref = StorageRef(storage, self._forget_external)
                     wref.cdata, wref.nbytes = storage._cdata, 0
-                    entry = self.external_users[storage._cdata] = (UserRefs(),
+                    entry = self.external_users[storage._cdata] = (WeakList(),
                                                                    wref)
                 entry[0].add(rec)
 

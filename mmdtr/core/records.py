@@ -1,11 +1,10 @@
-"""The recipe graph: one record per storage, one node per recorded op.
+"""The records: one per storage.
 
 A :class:`StorageRecord` is MegEngine's tensor record at storage
-granularity (rule R2 of docs/design.md): its producer (``creator``) and the
-in-place writes applied since (``mutations``), its size, its recompute cost
-and the bookkeeping the policy reads. An :class:`OpNode` is one recorded
-call with its tensor arguments replaced by references that say how to get
-each input back at the version that call read (rule R4).
+granularity (rule R2 of docs/design.md): its producer (``creator``, an
+``OpNode`` of :mod:`mmdtr.core.recipes`) and the in-place writes applied
+since (``mutations``), its size, its recompute cost and the bookkeeping the
+policy reads; DTR's evicted equivalence classes link records (R8).
 """
 import weakref
 
@@ -50,102 +49,6 @@ class StorageRef(weakref.ref):
     __slots__ = ('cdata', 'nbytes')
 
 
-class RecordRef:
-    """An input read from a recorded storage at ``version``."""
-    __slots__ = ('record', 'version', 'meta')
-
-    def __init__(self, record, version, meta):
-        self.record, self.version, self.meta = record, version, meta
-
-
-class HeldRef:
-    """An input the engine holds on to: external, or not recomputable.
-
-    ``version`` is checked on replay against the record's version (storages
-    allocated in scope) or the tensor's ``_version`` (external leaves);
-    ``None`` skips the check (external non-leaves, held as detached aliases
-    to avoid reference cycles through their ``grad_fn``). ``cdata``, for
-    external leaves, is the storage they had: ``leaf.data = other`` swaps it
-    without a version bump.
-    """
-    __slots__ = ('tensor', 'record', 'version', 'cdata')
-
-    def __init__(self, tensor, record, version, cdata=None):
-        self.tensor, self.record, self.version = tensor, record, version
-        self.cdata = cdata
-
-    def current_version(self):
-        if self.record is not None:
-            return self.record.version
-        if self.version is None:
-            return None
-        return self.tensor._version
-
-
-class SelfRef:
-    """In a mutation node: a view of the storage being rebuilt."""
-    __slots__ = ('meta', )
-
-    def __init__(self, meta):
-        self.meta = meta
-
-
-class ScratchRef:
-    """An argument the op writes as a side effect; replay gets a copy."""
-    __slots__ = ('tensor', )
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-_REFS = (RecordRef, HeldRef, SelfRef, ScratchRef)
-
-
-class OpNode:
-    """One recorded call: ``func(*args, **kwargs)`` with references.
-
-    Args:
-        func: The ``OpOverload``.
-        args (tuple): Arguments, tensors replaced by references (one level
-            of lists/tuples is searched, as aten ops take tensor lists).
-        kwargs (dict): Keyword arguments, likewise.
-        cost (float): Cost of the call in FLOP-equivalents.
-        rng (tuple | None): ``(generator, state)`` of a random op.
-
-    Attributes:
-        default_dtype (torch.dtype): The default dtype at the call, which
-            factories without a dtype and type promotion (``int * 0.5``)
-            read; a replay runs under it (R4).
-    """
-    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng', 'default_dtype')
-
-    def __init__(self, func, args, kwargs, cost, rng=None):
-        self.func, self.args, self.kwargs = func, args, kwargs
-        self.cost, self.rng = cost, rng
-        self.default_dtype = torch.get_default_dtype()
-
-    def refs(self):
-        """Yield every reference among the arguments."""
-        for a in (*self.args, *self.kwargs.values()):
-            if isinstance(a, _REFS):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, _REFS):
-                        yield b
-
-
-class AllocNode:
-    """Creator of a fresh buffer (``empty``, ``zeros`` and friends, R5)."""
-    __slots__ = ('nbytes', 'device', 'cost')
-
-    def __init__(self, nbytes, device):
-        self.nbytes, self.device, self.cost = nbytes, device, 1.0
-
-    def refs(self):
-        return iter(())
-
-
 class EvictedClass:
     """A union-find node of DTR's evicted equivalence classes.
 
@@ -182,14 +85,15 @@ class EvictedClass:
         return self
 
 
-class UserRefs(list):
-    """Weak references to the records whose recipes read one record.
+class WeakList(list):
+    """Weak references to objects: the records whose recipes read one
+    record, the tensors ops returned over its storage.
 
-    Lighter than a ``weakref.WeakSet`` (one list and one reference per user,
-    no callbacks), which matters on the hot path (R1): dead references are
-    dropped when the list has doubled since the last pruning, so adding
-    stays O(1) amortized and a record read every iteration of a long scope
-    does not grow it without bound.
+    Lighter than a ``weakref.WeakSet`` (one list and one reference per
+    object, no callbacks), which matters on the hot path (R1): dead
+    references are dropped when the list has doubled since the last pruning,
+    so adding stays O(1) amortized and a record read every iteration of a
+    long scope does not grow it without bound.
     """
     __slots__ = ('prune_at', )
 
@@ -197,24 +101,24 @@ class UserRefs(list):
         super().__init__()
         self.prune_at = 8
 
-    def add(self, record) -> None:
+    def add(self, obj) -> None:
         if len(self) >= self.prune_at:
             self[:] = [ref for ref in self if ref() is not None]
             self.prune_at = max(8, 2 * len(self))
-        self.append(weakref.ref(record))
+        self.append(weakref.ref(obj))
 
     def live(self) -> list:
-        """The users still alive, each once."""
+        """The objects still alive, each once."""
         if len(self) == 1:
-            user = self[0]()
-            return [] if user is None else [user]
-        users, seen = [], set()
+            obj = self[0]()
+            return [] if obj is None else [obj]
+        objs, seen = [], set()
         for ref in self:
-            user = ref()
-            if user is not None and id(user) not in seen:
-                seen.add(id(user))
-                users.append(user)
-        return users
+            obj = ref()
+            if obj is not None and id(obj) not in seen:
+                seen.add(id(obj))
+                objs.append(obj)
+        return objs
 
 
 class StorageRecord:
@@ -240,7 +144,7 @@ class StorageRecord:
         cost (float): Cost of the creator and the writes.
         last_access (int): Clock of the last use.
         remat_count (int): Times recomputed.
-        users (UserRefs | None): Weak references to the records whose
+        users (WeakList | None): Weak references to the records whose
             recipes read this one; ``None`` until the first.
         inputs (list | tuple): Records this one's recipe reads (an empty
             tuple until the first).
@@ -251,12 +155,17 @@ class StorageRecord:
         born (int): Clock when the storage was registered.
         recipe_nbytes (int): Size of the storage the recipe rebuilds (a
             later ``resize_`` grows ``nbytes`` only).
+        tensors (WeakList | None): Weak references to the tensors ops in
+            scope returned over this storage, the user's among them (R13).
+        exit_versions (tuple | None): ``(weak reference, version)`` of
+            those alive when the scope closed (R13).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
                  'cand_index', 'evicted_class', 'keepalive', 'alias_refs',
-                 'born', 'recipe_nbytes', '__weakref__')
+                 'born', 'recipe_nbytes', 'tensors', 'exit_versions',
+                 '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes = self.recipe_nbytes = nbytes
@@ -267,7 +176,8 @@ class StorageRecord:
         self.handles = self.out_index = self.base = self.version = 0
         self.remat_count = 0
         self.mutations = self.inputs = ()  # lists from the first entry
-        self.users = self.alias_refs = None
+        self.users = self.alias_refs = self.tensors = None
+        self.exit_versions = None
         self.cost = 0.0
         self.last_access = self.born = clock
         self.cand_index = -1
@@ -293,11 +203,39 @@ class StorageRecord:
         self.lo = self.hi = None
         self.creator, self.mutations, self.inputs = None, (), ()
 
+    def track(self, tensor) -> None:
+        """Remember a tensor an op returned over this storage (R13)."""
+        if self.tensors is None:
+            self.tensors = WeakList()
+        elif self.tensors[-1]() is tensor:
+            return  # an in-place op returns its input
+        self.tensors.add(tensor)
+
+    def close_versions(self) -> None:
+        """At the end of the scope: note the version counter of each
+        tracked tensor still alive (R13)."""
+        if self.tensors is not None:
+            self.exit_versions = tuple(
+                (weakref.ref(t), t._version) for t in self.tensors.live()
+                if not t.is_inference())  # no counter to read
+            self.tensors = None
+
+    def written_after_close(self):
+        """``(tensor, version at the close)`` of a tracked tensor still
+        over this storage whose counter moved since the scope closed, or
+        ``None`` (R13)."""
+        for ref, version in self.exit_versions or ():
+            t = ref()
+            if t is not None and t._version != version and \
+                    t.untyped_storage()._cdata == self.cdata:
+                return t, version
+        return None
+
     def add_input(self, rec) -> None:
         """Link this record to ``rec``, which its recipe reads (both ways).
         """
         if rec.users is None:
-            rec.users = UserRefs()
+            rec.users = WeakList()
         rec.users.add(self)
         if self.inputs:
             self.inputs.append(rec)

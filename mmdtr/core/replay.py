@@ -12,8 +12,8 @@ import torch
 
 from mmdtr.errors import MmdtrError
 from .op_semantics import op_info
-from .records import (AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef,
-                      detached_alias, view_of)
+from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
+from .records import detached_alias, view_of
 
 Tensor = torch.Tensor
 
@@ -80,6 +80,31 @@ def _taking_generator(func):
     return found
 
 
+def _unseen_write(shape, before, now) -> MmdtrError:
+    return MmdtrError(
+        f'a tensor of shape {tuple(shape)} that DTR may recompute from was '
+        f'written in place where the engine could not see it (version '
+        f'{before} -> {now}): after the DTR scope closed and before backward,'
+        ' or by a kernel outside the dispatcher. A recomputation would read '
+        'the new values (R13).',
+        'run backward inside the DTR scope (DTRHook does), or write into a '
+        'copy (t = t.clone()) once the scope has closed.')
+
+
+def _written_after_close(rec, rebuildable):
+    """Whether a tensor over resident ``rec`` was written after the scope
+    closed (R13): then a recipe must not read it as it is. Raises if the
+    version the recipe read cannot be rebuilt instead (``rebuildable``
+    False, or outside ``lo..hi``)."""
+    written = rec.written_after_close() if rec.resident else None
+    if written is None:
+        return False
+    if rebuildable and rec.recomputable(rec.version):
+        return True
+    t, before = written
+    raise _unseen_write(t.shape, before, t._version)
+
+
 class Replayer:
     """Rebuilds storages by replaying recipes; mixed into ``EngineState``.
 
@@ -105,10 +130,11 @@ class Replayer:
             return ('cuda', device), torch.cuda.get_rng_state(device)
         return None, torch.get_rng_state()
 
-    def materialize(self, rec, version):
-        """Return ``rec``'s storage at ``version``, recomputing if needed."""
+    def materialize(self, rec, version, stale=False):
+        """Return ``rec``'s storage at ``version``, recomputing if needed
+        (also if it is resident but ``stale``: written unseen, R13)."""
         storage = rec.storage()
-        if storage is not None and rec.version == version:
+        if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
             return storage
         if not rec.recomputable(version):
@@ -186,14 +212,17 @@ class Replayer:
     def _resolve(self, a, self_storage):
         """An argument of a replayed call, from its reference."""
         if isinstance(a, RecordRef):
+            rec = a.record
+            stale = bool(rec.exit_versions) and rec.version == a.version \
+                and _written_after_close(rec, rebuildable=True)
             return view_of(
-                self.materialize(a.record, a.version), a.meta, a.record.device)
+                self.materialize(rec, a.version, stale), a.meta, rec.device)
         if isinstance(a, HeldRef):
+            if a.record is not None and a.record.exit_versions:
+                _written_after_close(a.record, rebuildable=False)
             if a.current_version() != a.version:
-                raise MmdtrError(
-                    f'an input (shape {tuple(a.tensor.shape)}) changed from '
-                    f'version {a.version} to {a.current_version()} outside '
-                    "the engine's sight.", 'Please report it with the model.')
+                raise _unseen_write(a.tensor.shape, a.version,
+                                    a.current_version())
             t = a.tensor
             if a.cdata is not None and t.untyped_storage()._cdata != a.cdata:
                 raise MmdtrError(

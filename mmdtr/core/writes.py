@@ -8,7 +8,7 @@ import torch
 
 from .cost_model import tensor_bytes
 from .op_semantics import get_arg
-from .records import AllocNode
+from .recipes import AllocNode
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is

@@ -3,7 +3,7 @@ import gc
 
 import torch
 
-from mmdtr.core.records import StorageRecord, UserRefs
+from mmdtr.core.records import StorageRecord, WeakList
 
 
 def _record():
@@ -11,7 +11,7 @@ def _record():
 
 
 def test_user_refs_give_live_users_once():
-    users, a, b = UserRefs(), _record(), _record()
+    users, a, b = WeakList(), _record(), _record()
     users.add(a)
     users.add(b)
     users.add(a)  # a recipe reading the storage twice
@@ -23,7 +23,7 @@ def test_user_refs_give_live_users_once():
 
 def test_user_refs_stay_short_when_users_come_and_go():
     # a storage read once per iteration of a long scope: its users die
-    users, keep = UserRefs(), _record()
+    users, keep = WeakList(), _record()
     users.add(keep)
     for _ in range(1000):
         users.add(_record())
@@ -33,7 +33,7 @@ def test_user_refs_stay_short_when_users_come_and_go():
 
 def test_user_refs_adding_is_amortized_linear():
     # many live users: the list is pruned only when it has doubled
-    users, records = UserRefs(), [_record() for _ in range(1000)]
+    users, records = WeakList(), [_record() for _ in range(1000)]
     prunes = 0
     for rec in records:
         before = len(users)

@@ -1,0 +1,159 @@
+"""Writes after the engine's scope closed, before backward (R13).
+
+The dispatcher no longer shows the engine anything once its scope closed,
+but autograd's version counters still move. A rebuild during a backward
+run after the scope must not read bytes written since: a recorded input is
+then rebuilt at the version its recipe read, and one that cannot be is
+refused with ``MmdtrError`` instead of giving another gradient. Each case
+failed (another gradient, or a crash) on the engine before R13.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+
+
+def _run(forward, write, use_dtr, w):
+    """``forward()`` (under DTR at 1 byte if ``use_dtr``), then ``write``
+    after the scope, then backward; return the loss and ``w.grad``."""
+    w.grad = None
+    if use_dtr:
+        with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+            loss, visible = forward()
+        assert engine.stats.evictions > 0  # the recipes are needed
+    else:
+        loss, visible = forward()
+    with torch.no_grad():
+        write(visible)
+    loss.backward()
+    return loss.detach(), w.grad
+
+
+def _same_as_eager(forward, write, w):
+    eager = _run(forward, write, False, w)
+    dtr = _run(forward, write, True, w)
+    assert torch.equal(eager[0], dtr[0])
+    assert torch.equal(eager[1], dtr[1]), 'another gradient'
+
+
+def _chain_after(h, w):
+    """Ops reading ``h`` whose outputs are saved, not visible: evicted at
+    1 byte and rebuilt from ``h`` in backward."""
+    r = torch.relu(h - 0.5)  # relu saves its output only
+    loss = (r * r).sum()
+    del r  # saved only: evictable
+    more = torch.ones(32, 32) @ w  # allocates more, reads no h
+    return loss + more.sum() * 0
+
+
+@pytest.mark.parametrize(
+    'write', ['in_place', 'through_a_view', 'through_detach', 'copy_'])
+def test_visible_activation_written_after_the_scope(write):
+    # h is kept (visible) and read by the recipes of evicted outputs;
+    # eager's backward never reads h again, a rebuild did (new values)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+
+    def forward():
+        h = x @ w
+        return _chain_after(h, w), h
+
+    writes = {
+        'in_place': lambda h: h.add_(1),
+        'through_a_view': lambda h: h[0].mul_(3),  # shares h's counter
+        'through_detach': lambda h: h.detach().zero_(),
+        'copy_': lambda h: h.copy_(torch.ones_like(h)),
+    }
+    _same_as_eager(forward, writes[write], w)
+
+
+def test_output_of_a_composite_op_written_after_the_scope():
+    # F.linear on 3-D input returns an _unsafe_view of mm's output: a
+    # counter of its own over the storage the recipes read
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(2, 16, 32)
+
+    def forward():
+        h = F.linear(x, w)
+        return _chain_after(h, w), h
+
+    _same_as_eager(forward, lambda h: h.add_(1), w)
+
+
+def test_activation_written_in_scope_and_after_it():
+    # writes seen in scope are replayed; the one after the scope is not,
+    # and the recipes read the version before both
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+
+    def forward():
+        h = x @ w
+        loss = _chain_after(h, w)
+        h.mul_(2)  # seen: a later version
+        loss = loss + _chain_after(h, w)
+        return loss, h
+
+    _same_as_eager(forward, lambda h: h.sub_(1), w)
+
+
+def test_written_input_without_a_recipe_is_refused():
+    # made under no_grad, h has no recipe: the version the evicted outputs
+    # read cannot be rebuilt, and reading the new one would be wrong
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+
+    def forward():
+        with torch.no_grad():
+            h = x @ w
+        return _chain_after(h + w, w), h
+
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        _run(forward, lambda h: h.add_(1), True, w)
+    _run(forward, lambda h: h.add_(1), False, w)  # eager runs
+
+
+def test_external_non_leaf_written_after_the_scope_is_refused():
+    # made before the scope, xe is held as a detached alias (no cycle
+    # through its grad_fn) whose counter is not xe's: the write was unseen
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+
+    def forward():
+        xe = x @ w  # not a leaf
+        return lambda: (_chain_after(xe, w), xe)
+
+    _run(forward(), lambda t: t.add_(1), False, w)  # eager runs
+    assert torch.equal(
+        _run(forward(), lambda t: None, True, w)[1],
+        _run(forward(), lambda t: None, False, w)[1])
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        _run(forward(), lambda t: t.add_(1), True, w)
+
+
+def test_inference_tensor_as_an_input():
+    # inference tensors have no version counter: reading one crashed the
+    # recipe ("Inference tensors do not track version counter")
+    with torch.inference_mode():
+        c = torch.randn(32, 32)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step():
+        loss = _chain_after(c + w, w)
+        loss.backward()
+        return loss.detach(), w.grad
+
+    w.grad = None
+    eager = step()
+    w.grad = None
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        dtr = step()
+    assert engine.stats.recomputations > 0
+    assert torch.equal(eager[0], dtr[0]) and torch.equal(eager[1], dtr[1])
