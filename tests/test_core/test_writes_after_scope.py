@@ -157,3 +157,18 @@ def test_inference_tensor_as_an_input():
         dtr = step()
     assert engine.stats.recomputations > 0
     assert torch.equal(eager[0], dtr[0]) and torch.equal(eager[1], dtr[1])
+
+
+def test_write_after_the_scope_to_a_saved_activation_is_refused():
+    # the engine no longer sees writes once its scope closed; the saved
+    # tensor's own version counter (shared by the engine's alias) does
+    x = torch.randn(4096, requires_grad=True)
+    for use_dtr in (False, True):
+        with DTR(eviction_threshold='1GB', evictee_minimum_size=1) \
+                if use_dtr else torch.enable_grad():
+            h = x.exp()
+            y = h.sin()  # saves h
+        with torch.no_grad():
+            h.mul_(2)
+        with pytest.raises(RuntimeError, match='modified by an inplace'):
+            y.sum().backward()

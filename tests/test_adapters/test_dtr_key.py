@@ -1,0 +1,108 @@
+"""The ``dtr`` config key: checked and translated into a DTRHook entry,
+also when given through ``--cfg-options``."""
+import os.path as osp
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
+from mmdtr.core.sizes import parse_size
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import HOOKS
+
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+cpu_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason='a threshold is optional on CUDA')
+
+
+@pytest.mark.parametrize('value, hook_cfg', [
+    (dict(eviction_threshold='3GB'), dict(eviction_threshold='3GB')),
+    (dict(
+        eviction_threshold=2**20,
+        evictee_minimum_size='4KB',
+        enable_sqrt_sampling=True,
+        policy='lru'),
+     dict(
+         eviction_threshold=2**20,
+         evictee_minimum_size='4KB',
+         enable_sqrt_sampling=True,
+         policy='lru')),
+])
+def test_translate_accepted(value, hook_cfg):
+    cfg = translate_dtr(Config(dict(dtr=value)).dtr)  # a ConfigDict
+    assert cfg == dict(type='mmdtr.DTRHook', **hook_cfg)
+    hook = HOOKS.build(cfg)
+    assert isinstance(hook, DTRHook)
+    assert DTR(**hook.settings).eviction_threshold == parse_size(
+        hook_cfg['eviction_threshold'])
+
+
+@pytest.mark.parametrize('value, text', [
+    ('3GB', "dtr='3GB' (str) is not accepted; expected a dict with the "
+     "keys ['eviction_threshold', 'evictee_minimum_size', "
+     "'enable_sqrt_sampling', 'policy']"),
+    (True, 'dtr=True (bool) is not accepted'),
+    (dict(eviction_treshold='3GB'), 'dtr.eviction_treshold is not a DTR '
+     "setting; accepted: ['eviction_threshold', 'evictee_minimum_size', "
+     "'enable_sqrt_sampling', 'policy'], closest matches: "
+     "['eviction_threshold']"),
+    (dict(eviction_threshold='3GB',
+          sqrt_sampling=True), "closest matches: ['enable_sqrt_sampling']"),
+    (dict(eviction_threshold='3XB'), "dtr={'eviction_threshold': '3XB'} is "
+     "not accepted: eviction_threshold='3XB' is not a size."),
+    (dict(eviction_threshold=-1), 'eviction_threshold=-1 is negative'),
+    (dict(eviction_threshold='1GB',
+          evictee_minimum_size=[1]), 'evictee_minimum_size=[1] is not a size'),
+    (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
+     "enable_sqrt_sampling='yes' is not a bool"),
+    (dict(eviction_threshold='1GB',
+          policy='fifo'), "policy='fifo' is not an eviction policy"),
+])
+def test_translate_rejects(value, text):
+    with pytest.raises(MmdtrError) as info:
+        translate_dtr(value)
+    message = str(info.value)
+    assert message.startswith('mmdtr: dtr')
+    assert text in message
+    assert 'Hint:' in message
+
+
+@cpu_only
+@pytest.mark.parametrize('value', [dict(), dict(eviction_threshold=None)])
+def test_cpu_needs_a_threshold(value):
+    with pytest.raises(
+            MmdtrError,
+            match='evicting on allocation failure '
+            'needs CUDA.*Hint: On CPU give a threshold'):
+        translate_dtr(value)
+    with pytest.raises(MmdtrError, match='needs CUDA'):
+        DTRHook(**value)
+
+
+def test_cfg_options_give_a_size_string(train_tool):
+    args = train_tool.parse_args([
+        osp.join(REPO, 'configs', 'gpt_synthetic.py'), '--cfg-options',
+        'dtr.eviction_threshold=3GB', 'dtr.enable_sqrt_sampling=true'
+    ])
+    assert args.cfg_options['dtr.eviction_threshold'] == '3GB'
+    cfg = train_tool.build_cfg(args)
+    assert 'dtr' not in cfg
+    assert cfg.custom_hooks[-1] == dict(
+        type='mmdtr.DTRHook',
+        eviction_threshold='3GB',
+        enable_sqrt_sampling=True)
+    hook = HOOKS.build(cfg.custom_hooks[-1])
+    assert parse_size(hook.settings['eviction_threshold']) == 3 * 2**30
+
+
+def test_cfg_options_turn_on_a_key_the_file_sets_to_none(train_tool, tmp_path):
+    config = tmp_path / 'off.py'
+    config.write_text(f"_base_ = ['{REPO}/configs/gpt_synthetic.py']\n"
+                      'dtr = None\n')
+    args = train_tool.parse_args(
+        [str(config), '--cfg-options', 'dtr.eviction_threshold=3GB'])
+    cfg = train_tool.build_cfg(args)
+    assert cfg.custom_hooks[-1] == dict(
+        type='mmdtr.DTRHook', eviction_threshold='3GB')

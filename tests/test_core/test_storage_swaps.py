@@ -1,0 +1,96 @@
+"""Storages and views swapped under a tensor (``set_``, ``.data = ...``).
+
+No bytes change, but a tensor points at other ones: eager's backward reads
+what its saved tensors point at now; the engine holds the storage of the
+save, so it refuses (``MmdtrError``, or autograd's in-place error where
+eager raises it) instead of giving another gradient, and lets through what
+writes nothing (R5, R10). Each case failed on an engine before its fix.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+
+
+def test_leaf_storage_swapped_mid_step_raises():
+    # `p.data = t` moves no version counter: a rebuild would read the new
+    # storage, so the engine refuses it instead (a clear error, never a
+    # silently different gradient)
+    x = torch.randn(8, 16)
+    b = nn.Parameter(torch.randn(16))
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        h = (x + b).exp().sin()  # exp's output is rebuilt from add(x, b)
+        b.data = torch.zeros(16)
+        with pytest.raises(MmdtrError, match=r'tensor\.data = \.\.\.'):
+            h.sum().backward()
+
+
+def test_set_on_a_saved_tensor_is_refused(refused_like_eager):
+    # set_ bumps the tensor's version and points it at another storage: the
+    # write belongs to the old storage, the saved one (R10)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def step():
+        a = x @ w
+        y = a.sin()  # saves a
+        with torch.no_grad():
+            a.set_(torch.randn(8, 16))
+        torch.randn(64, 64).exp()
+        y.sum().backward()
+
+    refused_like_eager(step)
+
+
+def test_set_onto_a_saved_tensor_writes_nothing(same_under_dtr):
+    # the source of set_ is neither written nor versioned; the engine saw a
+    # write to it (the storage the target has after the call) and refused
+    # backward where eager runs it
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def step():
+        w.grad = None
+        b = (x @ w).exp()  # exp saves its output b
+        a = torch.zeros(3)
+        with torch.no_grad():
+            a.set_(b)
+        loss = b.sin().sum()
+        loss.backward()
+        return [loss, w.grad, a]
+
+    same_under_dtr(step)
+
+
+def test_write_after_data_was_swapped_is_refused(refused_like_eager):
+    # .data = swaps the storage without a version bump; a later write moves
+    # the counter of the tensor object, not that of the old storage's
+    # alias, which an eviction had dropped: the object's counter is read
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def step():
+        e = (x @ w).exp()  # saves its output e
+        e.data = torch.zeros(4, 8)
+        torch.randn(64, 64).exp()  # evicts e's old storage
+        with torch.no_grad():
+            e.add_(1)
+        e.sum().backward()
+
+    refused_like_eager(step)
+
+
+@pytest.mark.parametrize('new', ['storage', 'view'])
+def test_saved_tensor_given_another_storage_is_refused(new):
+    # eager would read the new storage (or view) through its saved tensor;
+    # the engine holds the old one: a clear error, not another gradient
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8)
+    with DTR(eviction_threshold=2**40, evictee_minimum_size=1):
+        h = x @ w
+        y = h.sin()  # saves h
+        h.data = torch.zeros(8, 8) if new == 'storage' else h.data.t()
+        with pytest.raises(MmdtrError, match=r'\.data = \.\.\.'):
+            y.sum().backward()
