@@ -21,6 +21,7 @@ import functools
 from typing import Optional, Union
 
 from mmengine.hooks import Hook
+from mmengine.runner import BaseLoop
 
 from mmdtr.dtr import DTRStats
 from mmdtr.errors import MmdtrError
@@ -161,6 +162,24 @@ class DTRHook(Hook):
     def stats(self) -> Optional[DTRStats]:
         """The engine's statistics of the latest training iteration."""
         return None if self.step is None else self.step.stats
+
+    def before_run(self, runner) -> None:
+        """Make sure the engine is detached when training ends, also by an
+        exception: MMEngine calls no hook then, and a model trained again
+        by another runner would still run under this one's engine."""
+        loop = getattr(runner, '_train_loop', None)
+        if not isinstance(loop, BaseLoop) or 'run' in vars(loop):
+            return  # not training (val, test), or already done
+
+        def run_then_detach(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._detach()
+                del loop.run  # the class's own again (and no cycle)
+
+        run = loop.run
+        loop.run = run_then_detach
 
     def before_train(self, runner) -> None:
         """Attach the engine to the training step of ``runner.model``."""

@@ -288,6 +288,11 @@ def test_exception_in_iteration_leaves_nothing(tmp_path, where, make_cfg):
     with pytest.raises(RuntimeError, match=f'boom in {where}'):
         runner.train()
     assert_thread_clean()
+    # MMEngine calls no hook then: the engine stayed attached, and another
+    # runner given the model trained under it (with a DTRHook of its own,
+    # it nested a second engine and crashed)
+    assert 'train_step' not in vars(runner.model)
+    assert 'run' not in vars(runner.train_loop)
     assert 'backward' not in vars(runner.optim_wrapper)
     assert dtr_hook(runner).stats.evictions > 0  # the first iteration's
     # the thread trains without DTR again
