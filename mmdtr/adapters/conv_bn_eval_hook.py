@@ -13,11 +13,10 @@ from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.model.efficient_conv_bn_eval import \
     efficient_conv_bn_eval_control
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from mmdtr.registry import HOOKS
-from mmdtr.techniques.efficient_conv_bn_eval import \
-    apply_efficient_conv_bn_eval
+from mmdtr.techniques.efficient_conv_bn_eval import (
+    apply_efficient_conv_bn_eval, fusable_bn, fusable_conv)
 from mmdtr.techniques.module_selection import as_name_list, resolve_modules
 from .config_translation import memory_key
 
@@ -37,17 +36,18 @@ def mmcv_conv_module_support(module: nn.Module) -> bool:
 
     Returns:
         bool: True if ``module`` is a ``ConvModule`` whose conv is directly
-        followed by a BatchNorm with running stats, now using the fused
-        form in eval mode.
+        followed by a BatchNorm with running stats, both as
+        :func:`~mmdtr.techniques.efficient_conv_bn_eval.fusable_conv` and
+        ``fusable_bn`` require, now using the fused form in eval mode.
     """
     if ConvModule is None or not isinstance(module, ConvModule):
         return False
     order = list(module.order)
     after_conv = order.index('conv') + 1
     if (not module.with_norm or after_conv >= len(order)
-            or order[after_conv] != 'norm'
-            or not isinstance(module.norm, _BatchNorm)):
-        return False
+            or order[after_conv] != 'norm' or not fusable_conv(module.conv)
+            or not fusable_bn(module.norm)):
+        return False  # mmcv's fused form would skip ConvWS's own forward
     module.turn_on_efficient_conv_bn_eval(True)
     return module.efficient_conv_bn_eval_forward is not None
 

@@ -20,16 +20,20 @@ Pairs are found with ``torch.fx``, one module at a time: only the modules
 that directly own a Conv and a BatchNorm are traced, and in each trace every
 child module with a forward of its own stays a call (a leaf). So a trace
 bakes in only that module's own Python code (a ``self.training`` branch of a
-child stays live), a trace failure (data-dependent control flow) is confined
-to the module whose own code causes it and is reported with the reason, and
-activation checkpointing can wrap any module, before or after. The price: a
-Conv in one child whose output feeds a BatchNorm in another stays unfused.
+child stays live; a module whose own code reads a training flag is traced
+in both modes and left unfused if they differ), a trace failure
+(data-dependent control flow) is confined to the module whose own code
+causes it and is reported with the reason, and activation checkpointing
+can wrap any module, before or after. The price: a Conv in one child whose
+output feeds a BatchNorm in another stays unfused.
 
 Compared with MMEngine's ``efficient_conv_bn_eval_graph_transform``, the
 pair search also skips (instead of raising ``KeyError`` on) BatchNorms whose
 input is not a module call (a BN on the input, after an add or a concat),
-transposed convolutions (whose weight layout the fused form does not handle)
-and BatchNorms without running statistics.
+transposed convolutions (whose weight layout the fused form does not handle),
+BatchNorms without running statistics, and Convs or BatchNorms whose call
+does more than their ``torch.nn`` class (a subclass's own forward, a hook),
+which the fused form would skip.
 """
 import warnings
 from dataclasses import dataclass, field
@@ -100,13 +104,38 @@ def _own_layers(module: nn.Module):
             yield from _own_layers(child)
 
 
-def _fusable_conv(module: Optional[nn.Module]) -> bool:
-    return isinstance(module, _ConvNd) and not module.transposed
+#: Forwards of subclasses that compute what torch's own do: mmcv's
+#: ``Conv2d`` and ``Conv3d`` wrappers (registered as ``'Conv'`` and
+#: ``'Conv3d'``) only add a path for empty inputs on torch < 1.4.
+SAME_AS_TORCH = frozenset({
+    ('mmcv.cnn.bricks.wrappers', 'Conv2d.forward'),
+    ('mmcv.cnn.bricks.wrappers', 'Conv3d.forward'),
+})
 
 
-def _fusable_bn(module: Optional[nn.Module]) -> bool:
+def _runs_as_torch(module: nn.Module) -> bool:
+    """Whether calling ``module`` does only what its ``torch.nn`` class
+    does. The fused form calls ``conv._conv_forward`` and reads the BN's
+    statistics itself, so a subclass's own forward (mmcv's ``ConvWS2d``
+    standardizes its weight) or a hook (old-style ``weight_norm``, a
+    feature recorder) would be skipped."""
+    forward = type(module).forward
+    return ((forward.__module__.startswith('torch.nn.') or
+             (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
+def fusable_conv(module: Optional[nn.Module]) -> bool:
+    """A Conv the fused form computes exactly as the module would."""
+    return (isinstance(module, _ConvNd) and not module.transposed
+            and _runs_as_torch(module))
+
+
+def fusable_bn(module: Optional[nn.Module]) -> bool:
+    """A BatchNorm the fused form can fold (running statistics, torch's
+    own forward)."""
     return (isinstance(module, _BatchNorm) and module.track_running_stats
-            and module.running_var is not None)
+            and module.running_var is not None and _runs_as_torch(module))
 
 
 def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:
@@ -122,13 +151,13 @@ def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:
     pairs = []
     for node in gm.graph.nodes:
         if (node.op != 'call_module' or len(node.args) != 1 or node.kwargs
-                or not _fusable_bn(modules.get(node.target))):
+                or not fusable_bn(modules.get(node.target))):
             continue
         source = node.args[0]
         if (isinstance(source, fx.Node) and source.op == 'call_module'
                 and len(source.args) == 1 and not source.kwargs
                 and len(source.users) == 1
-                and _fusable_conv(modules.get(source.target))):
+                and fusable_conv(modules.get(source.target))):
             pairs.append((source, node))
     return pairs
 
@@ -159,15 +188,41 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
     return len(pairs)
 
 
+def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool]:
+    """Trace ``module`` with every ``training`` flag in it set to True,
+    then to False (the flags are put back; no ``train()`` override runs).
+    Returns the first graph and whether the two differ: a trace bakes in
+    what its code reads of the flags (``F.dropout(x, training=
+    self.training)``), which the hook, applied in one mode, would fix."""
+    flags = [(m, m.training) for m in module.modules()]
+    codes = []
+    try:
+        for mode in (True, False):
+            for m, _ in flags:
+                m.training = mode
+            graph = _ConvBnTracer().trace(module)
+            codes.append(graph.python_code('self').src)
+            if mode:
+                first = graph
+    finally:
+        for m, training in flags:
+            m.training = training
+    return first, codes[0] != codes[1]
+
+
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
                     result: ConvBnEvalResult) -> None:
     try:
-        graph = _ConvBnTracer().trace(module)
+        graph, mode_dependent = _trace_in_both_modes(module)
     except Exception as exc:  # any trace failure: report it, go on
         first_line = (str(exc).strip().splitlines() or [''])[0]
         result.failures.append(
             (name, f'torch.fx tracing failed ({type(exc).__name__}: '
              f'{first_line})'))
+        return
+    if mode_dependent:
+        result.failures.append((name, 'its own forward reads a training flag '
+                                '(self.training), which a trace would fix'))
         return
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
     count = fuse_conv_bn_pairs(gm, fused)
@@ -186,8 +241,8 @@ def _fuse_subtree(module: nn.Module, name: str, fused: FusedForward,
     if _is_layer(module):
         return
     layers = list(_own_layers(module))
-    if (_has_forward(module) and any(map(_fusable_conv, layers))
-            and any(map(_fusable_bn, layers))):
+    if (_has_forward(module) and any(map(fusable_conv, layers))
+            and any(map(fusable_bn, layers))):
         _trace_and_fuse(module, name, fused, result)
     for child_name, child in module.named_children():
         _fuse_subtree(child, f'{name}.{child_name}', fused, native, result)
@@ -200,7 +255,8 @@ def _explain(result: ConvBnEvalResult) -> Optional[str]:
     if not result.enabled:
         why = failed or (
             'no module in it calls a Conv (not transposed) whose output '
-            'feeds only a BatchNorm with running statistics')
+            'feeds only a BatchNorm with running statistics, both running '
+            "torch's own forward without hooks")
         return ('efficient_conv_bn_eval: no Conv+BN pair was fused in '
                 f'module {result.name!r}, it runs unchanged. Why: {why}.')
     if failed:

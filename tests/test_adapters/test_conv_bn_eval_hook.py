@@ -104,6 +104,12 @@ def test_mmcv_conv_module_support():
         ConvModule(
             2, 2, 1, norm_cfg=dict(type='BN'), order=('norm', 'conv', 'act')))
     assert not mmcv_conv_module_support(nn.Conv2d(2, 2, 1))
+    # mmcv's fused form calls conv._conv_forward: ConvWS2d's own forward
+    # (weight standardization) would be skipped
+    ws = ConvModule(
+        2, 2, 1, conv_cfg=dict(type='ConvWS'), norm_cfg=dict(type='BN'))
+    assert not mmcv_conv_module_support(ws)
+    assert ws.efficient_conv_bn_eval_forward is None
 
 
 def test_hook_matches_plain_and_logs(make_cfg, tmp_path, seeded_toy_images):

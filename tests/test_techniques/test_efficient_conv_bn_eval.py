@@ -252,3 +252,69 @@ def test_checkpointing_first_keeps_checkpoints(order):
     assert result.fused_pairs == 4  # traces run inside the checkpoints
     assert is_checkpointed(model.layers)
     _assert_close(plain, model, torch.randn(2, 3, 8, 8))
+
+
+class StandardizedConv(nn.Conv2d):
+    """A Conv2d with a forward of its own (as mmcv's ConvWS2d)."""
+
+    def forward(self, x):
+        w = self.weight - self.weight.mean((1, 2, 3), keepdim=True)
+        return self._conv_forward(x, w, self.bias)
+
+
+def _conv_then_bn(conv):
+    return nn.Sequential(nn.Sequential(conv, nn.BatchNorm2d(4)))
+
+
+@pytest.mark.parametrize('case', ['subclass forward', 'forward hook'])
+def test_conv_whose_call_does_more_stays_unfused(case):
+    # the fused form calls conv._conv_forward: a subclass's forward or a
+    # hook was skipped, in training mode (bit-identical, the docs say) too
+    torch.manual_seed(0)
+    if case == 'subclass forward':
+        conv = StandardizedConv(3, 4, 3)
+    else:
+        conv = nn.Conv2d(3, 4, 3)
+        conv.register_forward_hook(lambda m, args, out: out * 2)
+    plain = _conv_then_bn(conv)
+    model = copy.deepcopy(plain)
+    with pytest.warns(UserWarning, match="torch's own forward without hooks"):
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert not result.enabled
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(plain(x), model(x))  # training mode
+
+
+def test_mmcv_conv_wrapper_is_fused():
+    # mmcv's Conv2d wrapper ('Conv') computes what nn.Conv2d does
+    from mmcv.cnn.bricks.wrappers import Conv2d
+    torch.manual_seed(0)
+    plain = _frozen(_conv_then_bn(Conv2d(3, 4, 3)))
+    model = copy.deepcopy(plain)
+    (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert result.fused_pairs == 1
+    _assert_close(plain, model, torch.randn(2, 3, 8, 8))
+
+
+class DropoutOnOwnFlag(nn.Module):
+    """Reads its own training flag: a trace would fix it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return nn.functional.dropout(
+            self.bn(self.conv(x)), 0.5, training=self.training)
+
+
+def test_module_reading_its_own_training_flag_is_not_traced():
+    # applied in train mode (before_test comes before model.eval()), the
+    # trace kept dropout on in eval
+    model = nn.Sequential(DropoutOnOwnFlag())
+    with pytest.warns(UserWarning, match=r'reads a training flag'):
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert not result.enabled and model.training
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(model(x), model(x))  # no dropout in eval
