@@ -17,7 +17,8 @@ class Evictor:
     """
 
     def _add_candidate(self, rec):
-        if rec.cand_index < 0 and rec.nbytes >= self.min_size \
+        # an empty storage frees nothing (and policies divide by its size)
+        if rec.cand_index < 0 and rec.nbytes >= max(self.min_size, 1) \
                 and rec.recomputable(rec.version):
             rec.cand_index = len(self.candidates)
             self.candidates.append(rec)

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from . import backend_flags
 from .cost_model import op_cost
 from .op_semantics import op_info
 from .records import StorageRef, WeakList, detached_alias, managed, view_meta
@@ -94,13 +95,19 @@ class OpNode:
         default_dtype (torch.dtype): The default dtype at the call, which
             factories without a dtype and type promotion (``int * 0.5``)
             read; a replay runs under it (R4).
+        switches (tuple): The backend switches at the call (oneDNN,
+            deterministic algorithms, matmul precision, cuDNN, cuBLAS),
+            which choose the kernel's algorithm; a replay runs under them
+            (R4, :mod:`.backend_flags`).
     """
-    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng', 'default_dtype')
+    __slots__ = ('func', 'args', 'kwargs', 'cost', 'rng', 'default_dtype',
+                 'switches')
 
     def __init__(self, func, args, kwargs, cost, rng=None):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.cost, self.rng = cost, rng
         self.default_dtype = torch.get_default_dtype()
+        self.switches = backend_flags.current()
 
     def refs(self):
         """Yield every reference among the arguments."""

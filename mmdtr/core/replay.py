@@ -11,6 +11,7 @@ import threading
 import torch
 
 from mmdtr.errors import MmdtrError
+from .backend_flags import switched_to
 from .op_semantics import op_info
 from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
 from .records import detached_alias, view_of
@@ -193,11 +194,12 @@ class Replayer:
         # as recorded: below the dispatch mode, after autocast (the recorded
         # op is the cast one), and in grad mode (some ops return other
         # outputs without it: mkldnn_rnn_layer's workspace); no argument
-        # requires grad, so no graph is built; under the default dtype of
-        # the call (R4)
+        # requires grad, so no graph is built; under the default dtype and
+        # the backend switches of the call (R4)
         with torch.enable_grad(), torch._C._DisableTorchDispatch(), \
                 torch._C._DisableAutocast(), \
-                _default_dtype(node.default_dtype):
+                _default_dtype(node.default_dtype), \
+                switched_to(node.switches):
             if node.rng is None:
                 out = self._run(node.func, args, kwargs)
             else:

@@ -8,7 +8,7 @@ import torch
 
 from .cost_model import tensor_bytes
 from .op_semantics import get_arg
-from .recipes import AllocNode
+from .recipes import AllocNode, SelfRef
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is
@@ -43,6 +43,14 @@ def bump_like_eager(written, versions) -> None:
     if all(t._version == v for t, v in zip(written, versions)):
         for t in written:
             torch.autograd.graph.increment_version(t)
+
+
+def _reads_only_self(node) -> bool:
+    """Whether the write ``node`` reads the storage it writes only through
+    the tensor it writes, which a whole overwrite does not read:
+    ``x.fill_(x[3])`` or ``p.bernoulli_(p)`` read it through another
+    argument, and rebuilt from an empty buffer they would read garbage."""
+    return sum(isinstance(ref, SelfRef) for ref in node.refs()) == 1
 
 
 class Writes:
@@ -133,7 +141,7 @@ class Writes:
             node = None
         if node is not None and rec.lo is None and info.full_overwrite \
                 and t.is_contiguous() and t.storage_offset() == 0 \
-                and tensor_bytes(t) == rec.nbytes:
+                and tensor_bytes(t) == rec.nbytes and _reads_only_self(node):
             # an uninitialized storage is now fully determined (R5)
             rec.creator = AllocNode(rec.nbytes, rec.device)
             rec.base, rec.mutations, rec.lo = rec.version, (), rec.version

@@ -4,6 +4,8 @@ Each case runs a step without DTR and under the smallest threshold, and
 compares every returned tensor bit for bit (the ``same_under_dtr`` fixture).
 Found by an adversarial search; each failed before its fix.
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -269,3 +271,79 @@ def test_saved_subclass_keeps_its_data():
         grads.append(t.grad)
     assert torch.equal(grads[0].a, grads[1].a)
     assert torch.equal(grads[0].b, grads[1].b)
+
+
+@pytest.mark.parametrize('switch', ['mkldnn', 'deterministic'])
+def test_replays_run_under_the_backend_switches_of_the_call(
+        same_under_dtr, switch):
+    # kernels read process-wide switches: a CPU convolution uses oneDNN or
+    # not, index_put_(accumulate=True) takes a sort-based kernel in
+    # deterministic mode; a replay under the switches of the moment
+    # computed the saved tensors with another algorithm (other bits)
+    conv = nn.Conv2d(16, 32, 3, padding=1)
+    conv2 = nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(16, 16, 20, 20)
+
+    def forward():
+        if switch == 'mkldnn':
+            with torch.backends.mkldnn.flags(enabled=False):
+                h = conv(x).relu()
+                return conv2(h)  # saves h
+        torch.use_deterministic_algorithms(True)
+        try:
+            index = torch.randint(0, 64, (20000, ))
+            values = conv(x).flatten(1)[:, :64].repeat(1250, 1)
+            z = torch.zeros(64, 64).index_put((index, ),
+                                              values,
+                                              accumulate=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        return z.tanh()  # saves its output
+
+    def step():
+        conv.zero_grad()
+        loss = forward().pow(2).sum()  # pow saves its input
+        torch.ones(1 << 21).exp()  # above the peak: the saved output goes
+        loss.backward()
+        return [loss, conv.weight.grad, conv.bias.grad]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # mkldnn.flags on TF32 (torch's)
+        assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.mark.parametrize('kind', ['fill_', 'bernoulli_'])
+def test_whole_overwrite_that_reads_itself(same_under_dtr, kind):
+    # a fresh buffer overwritten whole is rebuilt from an empty one (R5);
+    # x.fill_(x[3]) and p.bernoulli_(p) read it through another argument,
+    # which a rebuild read as garbage
+    w = torch.randn(16, 256, requires_grad=True)
+
+    def step():
+        w.grad = None
+        if kind == 'fill_':
+            s = torch.zeros(256)
+            s[3] = 2.5
+            s.fill_(s[3])
+        else:
+            with torch.no_grad():
+                s = torch.rand(256)
+            s.bernoulli_(s)
+        h = w * s  # saves s
+        del s
+        loss = (h.tanh() * torch.randn(16, 256)).sum()
+        loss.backward()
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_empty_storages_are_not_eviction_candidates():
+    # evictee_minimum_size=0 let an empty saved tensor in, and the policy
+    # divided by its size
+    x = torch.randn(64, 64, requires_grad=True)
+    with DTR(eviction_threshold=1, evictee_minimum_size=0) as engine:
+        loss = (x[:0] * 2).exp().sum() + (x * 2).exp().sum()  # both saved
+        torch.ones(1 << 16).exp()  # makes room: evicts the saved ones
+        loss.backward()
+    assert engine.stats.evictions > 0
