@@ -206,7 +206,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             if declared else None
         record_creator = bool(new) and torch.is_grad_enabled()
         node = None
-        if replayable and (record_creator or target is not None):
+        # a fresh buffer's creator is an AllocNode: no recipe to build (R5)
+        if replayable and (target is not None or record_creator
+                           and not info.fresh_buffer):
             node = self._make_node(func, args, kwargs, out, scratch, rng,
                                    target)
         if record_creator and replayable:
