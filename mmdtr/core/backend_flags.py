@@ -4,7 +4,9 @@ Below the dispatcher a kernel reads process-wide switches when it runs: a
 CPU convolution uses oneDNN or not (``torch.backends.mkldnn.enabled``),
 ``index_put_(accumulate=True)`` takes a sort-based kernel under
 ``torch.use_deterministic_algorithms(True)``, a float32 matmul may run in
-reduced precision, cuDNN and cuBLAS have theirs. Another algorithm gives
+reduced precision, cuDNN and cuBLAS have theirs, and a parallel CPU
+reduction splits its sum by the number of threads
+(``torch.set_num_threads``). Another algorithm gives
 other bits, so a replay runs under the switches of the recorded call, not
 those of the moment (rule R4 of docs/design.md). Switches that choose
 between kernels above the dispatcher (the attention backends of
@@ -42,7 +44,8 @@ _CUDA_NAMES = ('cudnn_enabled', 'cudnn_benchmark', 'cudnn_deterministic',
 if torch.cuda._is_compiled():
     _NAMES += _CUDA_NAMES
 _SWITCHES = ((_C._get_deterministic_algorithms, _set_deterministic), ) + \
-    tuple(filter(None, map(_switch, _NAMES)))
+    tuple(filter(None, map(_switch, _NAMES))) + \
+    ((torch.get_num_threads, torch.set_num_threads), )
 _GETTERS = tuple(get for get, _ in _SWITCHES)
 
 

@@ -312,6 +312,33 @@ def test_replays_run_under_the_backend_switches_of_the_call(
         assert same_under_dtr(step).recomputations > 0
 
 
+def test_replays_run_with_the_thread_count_of_the_call(same_under_dtr):
+    # a parallel reduction splits its work by the number of threads, so a
+    # sum recorded on one thread and rebuilt on two gave other bits
+    x = torch.randn(256, 4096)  # 2^20 elements: split across threads
+    w = torch.randn(4096, requires_grad=True)
+    threads = torch.get_num_threads()
+
+    def step():
+        w.grad = None
+        torch.set_num_threads(1)
+        try:
+            s = (x * w).sum()  # one big reduction over all elements
+            h = (s / 1e3).exp()  # exp saves its output, rebuilt from s
+            loss = h.exp()
+            del s, h  # now only the engine holds them
+            torch.ones(1 << 21).exp()  # above the peak: they are evicted
+        finally:
+            torch.set_num_threads(2)
+        try:
+            loss.backward()
+        finally:
+            torch.set_num_threads(threads)
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
 @pytest.mark.parametrize('kind', ['fill_', 'bernoulli_'])
 def test_whole_overwrite_that_reads_itself(same_under_dtr, kind):
     # a fresh buffer overwritten whole is rebuilt from an empty one (R5);
