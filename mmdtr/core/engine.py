@@ -207,15 +207,15 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         record_creator = bool(new) and torch.is_grad_enabled()
         node = None
         # a fresh buffer's creator is an AllocNode: no recipe to build (R5)
-        if replayable and (target is not None or record_creator
-                           and not info.fresh_buffer):
+        if replayable and (target is not None
+                           or record_creator and not info.fresh_buffer):
             node = self._make_node(func, args, kwargs, out, scratch, rng,
                                    target)
         if record_creator and replayable:
             for i, rec in new:
                 if info.fresh_buffer:
                     rec.creator = AllocNode(rec.nbytes, rec.device)
-                else:
+                elif node is not None:  # else no recipe: kept (R4)
                     rec.creator, rec.out_index, rec.lo = node, i, 0
                     rec.cost = node.cost
                     self._link(rec, node)

@@ -131,6 +131,11 @@ class AllocNode:
         return iter(())
 
 
+class _UnrebuildableView(Exception):
+    """A call reads or writes a recorded storage through a view the engine
+    cannot rebuild (a conjugate or negative bit): it gets no recipe (R4)."""
+
+
 def _scratch_ref(a):
     return ScratchRef(detached_alias(a)) if isinstance(a, Tensor) else a
 
@@ -151,6 +156,14 @@ class Recipes:
         return None
 
     def _make_node(self, func, args, kwargs, out, scratch, rng, target):
+        """The recipe of a call, or ``None`` when it reads or writes a
+        recorded storage through a view the engine cannot rebuild."""
+        try:
+            return self._node(func, args, kwargs, out, scratch, rng, target)
+        except _UnrebuildableView:
+            return None
+
+    def _node(self, func, args, kwargs, out, scratch, rng, target):
         cost = op_cost(func, args, kwargs, out)
         if scratch:  # arguments written as a side effect get copies (R6)
             names = op_info(func).arg_names
@@ -186,6 +199,13 @@ class Recipes:
 
     def _ref(self, t, target):
         if not managed(t):  # held as it is (R4)
+            if t.layout is _STRIDED and \
+                    t.untyped_storage()._cdata in self.records:
+                # a conj/neg (or nested) view of a recorded storage:
+                # held, it would read the storage as it is at the replay,
+                # not the version the call read, and a write through it
+                # would not go to the storage being rebuilt (R5)
+                raise _UnrebuildableView
             return HeldRef(detached_alias(t), None, None)
         cdata = t.untyped_storage()._cdata
         if cdata == target:

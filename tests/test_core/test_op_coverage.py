@@ -81,27 +81,6 @@ def test_backward_under_autocast_replays_the_recorded_dtypes(same_under_dtr):
     assert same_under_dtr(step).recomputations > 0
 
 
-@pytest.mark.parametrize('bit', ['conj', 'neg'])
-def test_views_with_a_conjugate_or_negative_bit_are_held(bit, same_under_dtr):
-    x = torch.randn(8, 8, dtype=torch.cfloat)
-    w = torch.randn(8, 8, dtype=torch.cfloat, requires_grad=True)
-
-    def step():
-        w.grad = None
-        h = (x @ w).add(1)
-        if bit == 'conj':
-            y = (h.conj() @ h).exp().abs()  # mm saves the conj view
-        else:
-            n = h.conj().imag  # a negative-bit view
-            y = (n * n.exp()).sin()
-        del h
-        loss = y.sum()
-        loss.backward()
-        return [loss, w.grad]
-
-    same_under_dtr(step)
-
-
 @pytest.mark.filterwarnings('ignore:torch.quantize_per_tensor')
 def test_quantized_tensors_are_held(same_under_dtr):
     x = torch.randn(8, 16)
