@@ -1,7 +1,8 @@
 """The global switches that choose a kernel's algorithm, kept for replay.
 
 Below the dispatcher a kernel reads process-wide switches when it runs: a
-CPU convolution uses oneDNN or not (``torch.backends.mkldnn.enabled``),
+CPU convolution uses oneDNN or not (``torch.backends.mkldnn.enabled``)
+and, without it, NNPACK or not (``torch.backends.nnpack``),
 ``index_put_(accumulate=True)`` takes a sort-based kernel under
 ``torch.use_deterministic_algorithms(True)``, a float32 matmul may run in
 reduced precision, cuDNN and cuBLAS have theirs, and a parallel CPU
@@ -33,8 +34,9 @@ def _set_deterministic(value):
         value, warn_only=_C._get_deterministic_algorithms_warn_only())
 
 
-_NAMES = ('mkldnn_enabled', 'mkldnn_deterministic', 'float32_matmul_precision',
-          'onednn_allow_tf32', 'cpu_allow_fp16_reduced_precision_reduction')
+_NAMES = ('mkldnn_enabled', 'mkldnn_deterministic', 'nnpack_enabled',
+          'float32_matmul_precision', 'onednn_allow_tf32',
+          'cpu_allow_fp16_reduced_precision_reduction')
 # read on every recorded op (R1): a build without CUDA skips these
 _CUDA_NAMES = ('cudnn_enabled', 'cudnn_benchmark', 'cudnn_deterministic',
                'cudnn_allow_tf32', 'cublas_allow_tf32',

@@ -252,20 +252,22 @@ def test_saved_subclass_keeps_its_data():
     assert torch.equal(grads[0].b, grads[1].b)
 
 
-@pytest.mark.parametrize('switch', ['mkldnn', 'deterministic'])
+@pytest.mark.parametrize('switch', ['mkldnn', 'nnpack', 'deterministic'])
 def test_replays_run_under_the_backend_switches_of_the_call(
         same_under_dtr, switch):
     # kernels read process-wide switches: a CPU convolution uses oneDNN or
-    # not, index_put_(accumulate=True) takes a sort-based kernel in
-    # deterministic mode; a replay under the switches of the moment
-    # computed the saved tensors with another algorithm (other bits)
+    # not (and, without it, NNPACK or not), index_put_(accumulate=True)
+    # takes a sort-based kernel in deterministic mode; a replay under the
+    # switches of the moment computed the saved tensors with another
+    # algorithm (other bits)
     conv = nn.Conv2d(16, 32, 3, padding=1)
     conv2 = nn.Conv2d(32, 32, 3, padding=1)
     x = torch.randn(16, 16, 20, 20)
 
     def forward():
-        if switch == 'mkldnn':
-            with torch.backends.mkldnn.flags(enabled=False):
+        if switch in ('mkldnn', 'nnpack'):
+            with torch.backends.mkldnn.flags(enabled=False), \
+                    torch.backends.nnpack.flags(enabled=switch == 'mkldnn'):
                 h = conv(x).relu()
                 return conv2(h)  # saves h
         torch.use_deterministic_algorithms(True)
