@@ -180,7 +180,9 @@ class BenchmarkSuite:
                     self.spec('dtr', threshold=int(threshold), policy=policy),
                     bar))
         for repeat in range(2, self.repeats + 1):
-            for record in records:
+            # even rounds go backwards: a steady drift of the machine's
+            # speed within a round falls on the first and the last runs alike
+            for record in records[::-1] if repeat % 2 == 0 else records:
                 self._repeat(record, repeat, bar)
         bar.close()
         return records
@@ -188,8 +190,9 @@ class BenchmarkSuite:
     def _repeat(self, record: dict, repeat: int, bar: Progress) -> None:
         """Run ``record``'s spec again and pool its step times into it.
 
-        Rounds go through every run in turn, so a drift in the machine's
-        speed (other tenants, thermal state) falls on all runs alike.
+        Rounds go through every run in turn, every other round backwards,
+        so a drift in the machine's speed (other tenants, thermal state)
+        falls on all runs alike.
         """
         spec = record.get('spec')
         if spec is None or record['status'] != 'ok':
