@@ -123,6 +123,11 @@ def parse_args(argv=None):
         "('11GB' emulates a 2080Ti on a bigger card)")
     batch.add_argument('--max-batch', type=int, help='default 1024')
     batch.add_argument(
+        '--start-batch',
+        type=int,
+        help='first batch tried (default 1); DTR starts at the larger of '
+        "this and the baseline's largest")
+    batch.add_argument(
         '--headroom',
         default='0',
         help='DTR runs at threshold capacity - headroom (default 0)')
@@ -247,12 +252,15 @@ def run_command(command: str,
         capacity = parse_size(args.capacity, '--capacity')
     max_batch = _default(args.max_batch, 'max_batch', args, 1024)
     headroom = parse_size(args.headroom, '--headroom')
+    start_batch = min(args.start_batch or 1, max_batch)
     settings.update(
         capacity=capacity,
         max_batch=max_batch,
+        start_batch=start_batch,
         policy=args.policy,
         headroom=headroom)
-    result = suite.largest_batch(capacity, max_batch, args.policy, headroom)
+    result = suite.largest_batch(capacity, max_batch, args.policy, headroom,
+                                 start_batch)
     return 'largest_batch', dict(settings=settings, result=result)
 
 

@@ -21,7 +21,8 @@ AT_LEAST = dict(
     steps=1,
     repeats=1,
     threads=1,
-    max_batch=1)
+    max_batch=1,
+    start_batch=1)
 #: The longest ``--timeout``: waits on a run's result take at most
 #: 2**31 - 1 milliseconds, less the grace a run gets after its timeout.
 MAX_TIMEOUT_S = 2_000_000

@@ -329,20 +329,23 @@ class BenchmarkSuite:
                       capacity: int,
                       max_batch: int = 1024,
                       policy: str = 'dtr',
-                      headroom: int = 0) -> dict:
+                      headroom: int = 0,
+                      start_batch: int = 1) -> dict:
         """Largest batch of the baseline and of DTR within ``capacity``.
 
         DTR runs at threshold ``capacity - headroom``: the engine evicts
         after an op that crosses the threshold, so its peak may pass the
         threshold by about the largest op's output; a headroom keeps that
-        within the capacity. DTR's doubling starts at the baseline's
-        largest batch (at least 1).
+        within the capacity. The baseline's doubling starts at
+        ``start_batch``, DTR's at the larger of that and the baseline's
+        largest batch (on a big card, a start near the baseline's limit
+        saves the probes of small batches, each a fresh process).
         A probe that fails otherwise than by running out of memory stops
         that technique's search (``largest_batch`` None, ``error`` set).
 
         Returns:
             dict: ``capacity``, ``max_batch``, ``policy``, ``headroom``,
-            ``criterion``
+            ``start_batch``, ``criterion``
             and, per technique (``baseline``, ``dtr``), ``largest_batch``,
             ``error`` and ``probes`` (the probe records in the order run).
         """
@@ -352,9 +355,10 @@ class BenchmarkSuite:
             max_batch=max_batch,
             policy=policy,
             headroom=headroom,
+            start_batch=start_batch,
             criterion=('no CUDA OOM with set_per_process_memory_fraction'
                        if self.cuda else 'engine-metered peak <= capacity'))
-        start = 1
+        start = start_batch
         for technique in ('baseline', 'dtr'):
             probes: List[dict] = []
 
@@ -376,6 +380,6 @@ class BenchmarkSuite:
                          f"{failed.record['error']}")
             out[technique] = dict(
                 largest_batch=best, probes=probes, error=error)
-            start = max(1, best or 1)
+            start = max(start_batch, best or 1)
         bar.close()
         return out

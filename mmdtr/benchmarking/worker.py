@@ -38,6 +38,8 @@ from mmdtr.dtr import DTR
 from mmdtr.utils.profiler_memory import measure_memory
 from .workloads import NO_EVICTION, Workload, apply_technique, load_config
 
+#: Starts the last line of a run's log, followed by the result as JSON.
+RESULT_PREFIX = 'mmdtr-benchmark result: '
 _OOM = getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError)
 
 
@@ -199,6 +201,8 @@ def run_spec(spec: dict) -> dict:
     result['wall_s'] = time.perf_counter() - start
     if load is not None:  # 1-minute load average at start and end
         result['load_average'] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    # the run's log ends with its result: readable when the tool is cut off
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return result
 
 

@@ -19,6 +19,7 @@ from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.launch import default_launcher
 from mmdtr.benchmarking.report import markdown
+from mmdtr.benchmarking.worker import RESULT_PREFIX
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -127,6 +128,30 @@ def test_largest_fitting_starts_where_told():
     assert best == 2 and probes[4] is False
 
 
+def test_largest_batch_starts_at_start_batch(monkeypatch, tmp_path):
+    suite = BenchmarkSuite(
+        Launcher('subprocess', str(tmp_path)), progress=False, device='cpu')
+    limits, tried = dict(baseline=40, dtr=100), []
+
+    def probe(technique, batch, capacity, policy, bar, headroom=0):
+        tried.append((technique, batch))
+        return dict(status='ok', fits=batch <= limits[technique])
+
+    monkeypatch.setattr(suite, 'probe', probe)
+    out = suite.largest_batch(2**30, 1024, start_batch=32)
+    assert out['start_batch'] == 32
+    assert out['baseline']['largest_batch'] == 40
+    assert out['dtr']['largest_batch'] == 100
+    assert min(b for t, b in tried if t == 'baseline') == 32
+    assert min(b for t, b in tried if t == 'dtr') == 40  # the baseline's
+    tried.clear()  # a start above the baseline's limit: bisected below it
+    out = suite.largest_batch(2**30, 1024, start_batch=64)
+    assert out['baseline']['largest_batch'] == 40
+    assert out['dtr']['largest_batch'] == 100
+    assert tried[0] == ('baseline', 64)
+    assert min(b for t, b in tried if t == 'dtr') == 64
+
+
 def test_split_even():
     assert split_even(list(range(16)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7],
                                               [8, 9, 10, 11], [12, 13, 14, 15]]
@@ -226,7 +251,13 @@ def test_run_spec_in_process_and_in_a_subprocess(tmp_path):
     launched = Launcher('subprocess', str(tmp_path)).run(meter_spec, 'm')
     assert launched['status'] == 'ok', launched['error']
     assert launched['peak_engine'] == meter['peak_engine']
-    assert osp.isfile(launched['log'])
+    with open(launched['log']) as f:  # its last line holds the result
+        last = f.read().splitlines()[-1]
+    assert last.startswith(RESULT_PREFIX)
+    assert json.loads(last[len(RESULT_PREFIX):]) == {
+        k: v
+        for k, v in launched.items() if k != 'log'
+    }
     bad = run_spec(dict(spec, config=str(tmp_path / 'missing.py')))
     assert bad['status'] == 'error' and 'missing.py' in bad['error']
 

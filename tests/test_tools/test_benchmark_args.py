@@ -27,7 +27,7 @@ BAD_ARGUMENTS += [(f'sweep --fractions 0.5 {v}',
                    fr'--fractions {v} .* \(0, 1\]')
                   for v in ('-1', '0', '2', 'inf', 'nan')]
 TOO_LOW = ('--batch-size 0', '--steps 0', '--warmup -1', '--threads -1',
-           '--image-size 0', '--seq-len 0', '--max-batch 0')
+           '--image-size 0', '--seq-len 0', '--max-batch 0', '--start-batch 0')
 BAD_ARGUMENTS += [(f'sweep {v}', f'{v} must be at least') for v in TOO_LOW]
 BAD_ARGUMENTS += [(f'sweep --timeout {v}', f'--timeout {v} is not accepted')
                   for v in ('0', '-1', 'inf', '3000000')]
