@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mmdtr.core.cuda_meter import CudaAllocatedBytes
 from mmdtr.dtr import DTR
 
 pytestmark = pytest.mark.skipif(
@@ -129,3 +130,14 @@ def test_cpu_code_on_a_cuda_machine_is_metered_on_cpu():
             h = torch.tanh(h @ w)
         h.sum().backward()
     assert engine.stats.evictions > 0
+
+
+def test_the_meter_reads_memory_allocated_without_flattening():
+    meter = CudaAllocatedBytes(CUDA)
+    x = torch.empty(2**20, device=CUDA)
+    assert meter.read() == torch.cuda.memory_allocated(CUDA)
+    assert meter.fast  # torch's nested statistics were read
+    y = torch.empty(2**21, device=CUDA)
+    assert meter.read() == torch.cuda.memory_allocated(CUDA)
+    del x, y
+    assert meter.read() == torch.cuda.memory_allocated(CUDA)
