@@ -1,4 +1,5 @@
 """The backend switches a replay runs under (R4)."""
+import pytest
 import torch
 
 from mmdtr.core.backend_flags import current, switched_to
@@ -33,3 +34,30 @@ def test_switched_to_puts_back_after_an_exception():
     except KeyError:
         pass
     assert current() == before
+
+
+def _flushing(one=1.0):
+    return 5e-324 * one == 0.0  # a subnormal times one: zero when flushed
+
+
+@pytest.mark.skipif(
+    not torch.set_flush_denormal(False), reason='no flush-to-zero here')
+def test_switched_to_covers_flush_to_zero_and_per_backend_precision():
+    get = getattr(torch._C, '_get_fp32_precision_getter', None)
+    put = getattr(torch._C, '_set_fp32_precision_setter', None)
+    before = current()
+    saved = get('mkldnn', 'matmul') if get else None
+    try:
+        torch.set_flush_denormal(True)
+        if get:  # the legacy getter raises now: recording still works
+            torch.backends.mkldnn.matmul.fp32_precision = 'tf32'
+        recorded = current()
+    finally:
+        torch.set_flush_denormal(False)
+        if get:
+            put('mkldnn', 'matmul', saved)
+    assert current() == before and not _flushing()
+    with switched_to(recorded):
+        assert _flushing()
+        assert get is None or get('mkldnn', 'matmul') == 'tf32'
+    assert current() == before and not _flushing()

@@ -320,6 +320,65 @@ def test_replays_run_with_the_thread_count_of_the_call(same_under_dtr):
     assert same_under_dtr(step).recomputations > 0
 
 
+def test_replays_run_under_the_flush_to_zero_of_the_call(same_under_dtr):
+    # torch.set_flush_denormal zeroes subnormal results: a product recorded
+    # with it on and rebuilt with it off gave other bits
+    w = torch.ones(64, requires_grad=True)
+    x = torch.full((64, ), 1e-20)
+
+    def step():
+        w.grad = None
+        try:
+            torch.set_flush_denormal(True)
+            m = (x * 1e-19) * w  # x * 1e-19 is subnormal: 0; mul saves it
+            torch.set_flush_denormal(False)
+            torch.ones(1 << 21).exp()  # above the peak: it is evicted
+            loss = m.sum()
+            loss.backward()
+        finally:
+            torch.set_flush_denormal(False)
+        return [loss, w.grad]
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip('no flush-to-zero on this CPU')
+    assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.fixture
+def fp32_precisions():
+    """The per-backend fp32 precisions, put back afterwards."""
+    get = getattr(torch._C, '_get_fp32_precision_getter', None)
+    if get is None:
+        pytest.skip('no per-backend fp32_precision in this PyTorch')
+    saved = [(b, o, get(b, o))
+             for b, o in (('generic', 'all'), ('mkldnn', 'matmul'),
+                          ('cuda', 'matmul'))]
+    yield
+    for backend, op, value in saved:
+        torch._C._set_fp32_precision_setter(backend, op, value)
+
+
+@pytest.mark.parametrize('backend', ['mkldnn', 'cuda'])
+def test_the_per_backend_precision_api_is_recorded(same_under_dtr,
+                                                   fp32_precisions, backend):
+    # once a per-backend precision is set, torch's legacy getter
+    # (float32_matmul_precision) raises: every recorded op raised with it
+    getattr(torch.backends, backend).matmul.fp32_precision = 'tf32'
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(256, 64)
+
+    def step():
+        w.grad = None
+        h = (x @ w).tanh()  # tanh saves its output, mm its input
+        loss = (h @ w).sum()
+        del h  # now only autograd holds it
+        torch.ones(1 << 21).exp()  # above the peak: it is evicted
+        loss.backward()
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
 @pytest.mark.parametrize('kind', ['fill_', 'bernoulli_'])
 def test_whole_overwrite_that_reads_itself(same_under_dtr, kind):
     # a fresh buffer overwritten whole is rebuilt from an empty one (R5);
