@@ -4,21 +4,25 @@ Below the dispatcher a kernel reads process-wide switches when it runs: a
 CPU convolution uses oneDNN or not (``torch.backends.mkldnn.enabled``)
 and, without it, NNPACK or not (``torch.backends.nnpack``),
 ``index_put_(accumulate=True)`` takes a sort-based kernel under
-``torch.use_deterministic_algorithms(True)``, a float32 matmul may run in
-reduced precision, cuDNN and cuBLAS have theirs, a parallel CPU reduction
-splits its sum by the number of threads (``torch.set_num_threads``), and
-flush-to-zero (``torch.set_flush_denormal``) zeroes subnormals. Another
-algorithm gives other bits, so a replay runs under the switches of the
-recorded call, not those of the moment (rule R4 of docs/design.md).
-Switches that choose between kernels above the dispatcher (the attention
-backends of ``scaled_dot_product_attention``) need nothing: the recorded op
-is the kernel chosen.
+``torch.use_deterministic_algorithms(True)``, a float32 matmul or
+convolution may run in reduced precision, cuDNN and cuBLAS have theirs, a
+parallel CPU reduction splits its sum by the number of threads
+(``torch.set_num_threads``), and flush-to-zero
+(``torch.set_flush_denormal``) zeroes subnormals. Another algorithm gives
+other bits, so a replay runs under the switches of the recorded call, not
+those of the moment (rule R4 of docs/design.md). Switches that choose
+between kernels above the dispatcher (the attention backends of
+``scaled_dot_product_attention``) need nothing: the recorded op is the
+kernel chosen.
 
-Precision has two APIs. The legacy getters (``float32_matmul_precision``,
-``allow_tf32``) raise once the per-backend one
-(``torch.backends.<backend>.<op>.fp32_precision``) has set values they
-cannot express; they read ``None`` then (not replayed). The per-backend
-values, after them, are replayed, parents before children.
+Float32 precision has two APIs, both kept: the legacy flags
+(``float32_matmul_precision``, ``allow_tf32``), whose getters raise (read
+as ``None``, unknown) once the per-backend values
+(``torch.backends.<backend>.<op>.fp32_precision``) differ in ways they
+cannot express, and the per-backend values, after them. Setting one switch
+may change others (a legacy flag the per-backend values, a parent
+precision its children): :func:`switched_to` sets them again until all
+read as asked.
 """
 import contextlib
 from functools import partial
@@ -26,6 +30,21 @@ from functools import partial
 import torch
 
 _C = torch._C
+# read on every recorded op (R1): a build without CUDA skips the CUDA ones
+_NAMES = ('mkldnn_enabled', 'mkldnn_deterministic', 'nnpack_enabled',
+          'cpu_allow_fp16_reduced_precision_reduction')
+_CUDA_NAMES = ('cudnn_enabled', 'cudnn_benchmark', 'cudnn_deterministic',
+               'cublas_allow_fp16_reduced_precision_reduction',
+               'cublas_allow_bf16_reduced_precision_reduction',
+               'cublas_allow_fp16_accumulation')
+# legacy precision flags: their getters may raise (see above)
+_LEGACY_PRECISIONS = ('float32_matmul_precision', 'onednn_allow_tf32')
+_CUDA_LEGACY_PRECISIONS = ('cudnn_allow_tf32', 'cublas_allow_tf32')
+# (backend, op), parents before their children; the CUDA ones on every
+# build, since they decide what the legacy getters can read
+_PRECISIONS = (('generic', 'all'), ('mkldnn', 'all'), ('mkldnn', 'matmul'),
+               ('mkldnn', 'conv'), ('mkldnn', 'rnn'), ('cuda', 'all'),
+               ('cuda', 'matmul'), ('cuda', 'conv'), ('cuda', 'rnn'))
 
 
 def _switch(name):
@@ -48,15 +67,13 @@ def _tolerant(get):
     return read
 
 
-def _fp32_precisions():
-    """``(getter, setter)`` of each per-backend ``fp32_precision`` this
-    PyTorch has, parents (``all``) before their children."""
+def _fp32_precisions(pairs):
+    """``(getter, setter)`` of each per-backend precision in ``pairs`` this
+    PyTorch has."""
     get = getattr(_C, '_get_fp32_precision_getter', None)
     put = getattr(_C, '_set_fp32_precision_setter', None)
-    if get is None or put is None:
-        return ()
     switches = []
-    for backend, op in _FP32_PRECISIONS:
+    for backend, op in pairs if get and put else ():
         try:
             get(backend, op)
         except RuntimeError:  # not in this PyTorch
@@ -68,18 +85,10 @@ def _fp32_precisions():
 _DENORMAL, _ONE = 5e-324, 1.0  # module globals: never folded away
 
 
-def _flush_denormal() -> bool:
+def flushing_denormals() -> bool:
     """Whether subnormals flush to zero on this thread: a float multiply
     obeys the same FPU flags as the kernels (PyTorch has no getter)."""
     return _DENORMAL * _ONE == 0.0
-
-
-def _legacy_switches():
-    """``(name, (getter, setter))`` of each name in ``_NAMES`` this
-    PyTorch has."""
-    return tuple((name, both)
-                 for name, both in zip(_NAMES, map(_switch, _NAMES))
-                 if both is not None)
 
 
 def _set_deterministic(value):
@@ -87,34 +96,20 @@ def _set_deterministic(value):
         value, warn_only=_C._get_deterministic_algorithms_warn_only())
 
 
-_NAMES = ('mkldnn_enabled', 'mkldnn_deterministic', 'nnpack_enabled',
-          'float32_matmul_precision', 'onednn_allow_tf32',
-          'cpu_allow_fp16_reduced_precision_reduction')
-# read on every recorded op (R1): a build without CUDA skips these
-_CUDA_NAMES = ('cudnn_enabled', 'cudnn_benchmark', 'cudnn_deterministic',
-               'cudnn_allow_tf32', 'cublas_allow_tf32',
-               'cublas_allow_fp16_reduced_precision_reduction',
-               'cublas_allow_bf16_reduced_precision_reduction',
-               'cublas_allow_fp16_accumulation')
-_FP32_PRECISIONS = (
-    ('generic', 'all'),
-    ('mkldnn', 'all'),
-    ('mkldnn', 'matmul'),
-    ('mkldnn', 'conv'),
-    ('mkldnn', 'rnn'),
-    ('cuda', 'all'),
-    ('cuda', 'matmul'),
-    ('cuda', 'conv'),
-    ('cuda', 'rnn'),
-)
-if torch.cuda._is_compiled():
-    _NAMES += _CUDA_NAMES
-_SWITCHES = ((_C._get_deterministic_algorithms, _set_deterministic), ) + \
-    tuple((_tolerant(get) if 'tf32' in name or 'precision' in name else get,
-           put) for name, (get, put) in _legacy_switches()) + \
-    _fp32_precisions() + \
-    ((torch.get_num_threads, torch.set_num_threads),
-     (_flush_denormal, torch.set_flush_denormal))
+def _all_switches():
+    cuda = torch.cuda._is_compiled()
+    names = _NAMES + (_CUDA_NAMES if cuda else ())
+    legacy = _LEGACY_PRECISIONS + (_CUDA_LEGACY_PRECISIONS if cuda else ())
+    legacy = tuple((_tolerant(get), put)
+                   for get, put in filter(None, map(_switch, legacy)))
+    precisions = _fp32_precisions(_PRECISIONS)
+    return ((_C._get_deterministic_algorithms, _set_deterministic), ) + \
+        tuple(filter(None, map(_switch, names))) + legacy + precisions + \
+        ((torch.get_num_threads, torch.set_num_threads),
+         (flushing_denormals, torch.set_flush_denormal))
+
+
+_SWITCHES = _all_switches()
 _GETTERS = tuple(get for get, _ in _SWITCHES)
 
 
@@ -123,21 +118,31 @@ def current() -> tuple:
     return tuple([get() for get in _GETTERS])
 
 
+def _put(values: tuple) -> None:
+    """Set the switches that differ from ``values`` (``None``: unknown, left
+    as is). A setter may change other switches (a parent precision its
+    children, a legacy flag another), so the switches are read and set again
+    until they all read as asked, three passes at most."""
+    for _ in range(3):
+        pending = [(put, then)
+                   for (_, put), then, was in zip(_SWITCHES, values, current())
+                   if then != was and None not in (then, was)]
+        if not pending:
+            return
+        for put, then in pending:
+            put(*then) if isinstance(then, tuple) else put(then)
+
+
 @contextlib.contextmanager
 def switched_to(values: tuple):
     """Run with the switches at ``values`` (from :func:`current`), and put
-    back those that were changed."""
+    them back as they were."""
     now = current()
     if now == values:
         yield
         return
-    changed = [(put, then, was)
-               for (_, put), then, was in zip(_SWITCHES, values, now)
-               if then != was and None not in (then, was)]
     try:
-        for put, then, _ in changed:
-            put(*then) if isinstance(then, tuple) else put(then)
+        _put(values)
         yield
     finally:
-        for put, _, was in changed:
-            put(*was) if isinstance(was, tuple) else put(was)
+        _put(now)

@@ -1,8 +1,34 @@
-"""The backend switches a replay runs under (R4)."""
+"""The backend switches a replay runs under (R4): the switches module, and
+replays under DTR recorded under other switches (each of those failed
+before its switch was kept)."""
+import itertools
+import warnings
+
 import pytest
 import torch
+import torch.nn as nn
 
-from mmdtr.core.backend_flags import current, switched_to
+from mmdtr.core.backend_flags import current, flushing_denormals, switched_to
+
+_GET = getattr(torch._C, '_get_fp32_precision_getter', None)
+_SET = getattr(torch._C, '_set_fp32_precision_setter', None)
+_PAIRS = (('generic', 'all'), ('mkldnn', 'all'), ('mkldnn', 'matmul'),
+          ('mkldnn', 'conv'), ('mkldnn', 'rnn'), ('cuda', 'all'),
+          ('cuda', 'matmul'), ('cuda', 'conv'), ('cuda', 'rnn'))
+
+
+@pytest.fixture
+def precision_state():
+    """Every per-backend fp32 precision, put back afterwards."""
+    if _GET is None:
+        pytest.skip('no per-backend fp32_precision in this PyTorch')
+    legacy = torch.get_float32_matmul_precision()  # state of its own
+    saved = [(b, o, _GET(b, o)) for b, o in _PAIRS]
+    yield
+    torch.set_float32_matmul_precision(legacy)  # rewrites the matmuls'
+    for _ in range(2):  # parents reset their children: twice, in order
+        for backend, op, value in saved:
+            _SET(backend, op, value)
 
 
 def test_switched_to_sets_what_differs_and_puts_it_back():
@@ -36,10 +62,6 @@ def test_switched_to_puts_back_after_an_exception():
     assert current() == before
 
 
-def _flushing(one=1.0):
-    return 5e-324 * one == 0.0  # a subnormal times one: zero when flushed
-
-
 @pytest.mark.skipif(
     not torch.set_flush_denormal(False), reason='no flush-to-zero here')
 def test_switched_to_covers_flush_to_zero_and_per_backend_precision():
@@ -56,8 +78,151 @@ def test_switched_to_covers_flush_to_zero_and_per_backend_precision():
         torch.set_flush_denormal(False)
         if get:
             put('mkldnn', 'matmul', saved)
-    assert current() == before and not _flushing()
+    assert current() == before and not flushing_denormals()
     with switched_to(recorded):
-        assert _flushing()
+        assert flushing_denormals()
         assert get is None or get('mkldnn', 'matmul') == 'tf32'
-    assert current() == before and not _flushing()
+    assert current() == before and not flushing_denormals()
+
+
+_PRECISION_CHANGES = {
+    'legacy high': lambda: torch.set_float32_matmul_precision('high'),
+    'legacy medium': lambda: torch.set_float32_matmul_precision('medium'),
+    'generic tf32': lambda: _SET('generic', 'all', 'tf32'),
+    'mkldnn none': lambda: _SET('mkldnn', 'all', 'none'),
+    'mkldnn.matmul none': lambda: _SET('mkldnn', 'matmul', 'none'),
+    'mkldnn.conv tf32': lambda: _SET('mkldnn', 'conv', 'tf32'),
+    'cuda.matmul tf32': lambda: _SET('cuda', 'matmul', 'tf32'),
+}
+
+
+@pytest.mark.parametrize('first, second',
+                         list(itertools.permutations(_PRECISION_CHANGES, 2)))
+def test_switched_to_restores_precisions_a_setter_also_changed(
+        precision_state, first, second):
+    # the legacy setter also rewrites per-backend values, and a parent its
+    # children: a value equal before and after the replay was overwritten
+    # by another's setter and left changed (TF32 matmuls afterwards)
+    recorded = current()
+    _PRECISION_CHANGES[first]()
+    _PRECISION_CHANGES[second]()
+    now = current()
+    with switched_to(recorded):
+        assert current() == recorded
+    assert current() == now
+
+
+@pytest.mark.parametrize('switch', ['mkldnn', 'nnpack', 'deterministic'])
+def test_replays_run_under_the_backend_switches_of_the_call(
+        same_under_dtr, switch):
+    # kernels read process-wide switches: a CPU convolution uses oneDNN or
+    # not (and, without it, NNPACK or not), index_put_(accumulate=True)
+    # takes a sort-based kernel in deterministic mode; a replay under the
+    # switches of the moment computed the saved tensors with another
+    # algorithm (other bits)
+    conv = nn.Conv2d(16, 32, 3, padding=1)
+    conv2 = nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(16, 16, 20, 20)
+
+    def forward():
+        if switch in ('mkldnn', 'nnpack'):
+            with torch.backends.mkldnn.flags(enabled=False), \
+                    torch.backends.nnpack.flags(enabled=switch == 'mkldnn'):
+                h = conv(x).relu()
+                return conv2(h)  # saves h
+        torch.use_deterministic_algorithms(True)
+        try:
+            index = torch.randint(0, 64, (20000, ))
+            values = conv(x).flatten(1)[:, :64].repeat(1250, 1)
+            z = torch.zeros(64, 64).index_put((index, ),
+                                              values,
+                                              accumulate=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        return z.tanh()  # saves its output
+
+    def step():
+        conv.zero_grad()
+        loss = forward().pow(2).sum()  # pow saves its input
+        torch.ones(1 << 21).exp()  # above the peak: the saved output goes
+        loss.backward()
+        return [loss, conv.weight.grad, conv.bias.grad]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # mkldnn.flags on TF32 (torch's)
+        assert same_under_dtr(step).recomputations > 0
+
+
+def test_replays_run_with_the_thread_count_of_the_call(same_under_dtr):
+    # a parallel reduction splits its work by the number of threads, so a
+    # sum recorded on one thread and rebuilt on two gave other bits
+    x = torch.randn(256, 4096)  # 2^20 elements: split across threads
+    w = torch.randn(4096, requires_grad=True)
+    threads = torch.get_num_threads()
+
+    def step():
+        w.grad = None
+        torch.set_num_threads(1)
+        try:
+            s = (x * w).sum()  # one big reduction over all elements
+            h = (s / 1e3).exp()  # exp saves its output, rebuilt from s
+            loss = h.exp()
+            del s, h  # now only the engine holds them
+            torch.ones(1 << 21).exp()  # above the peak: they are evicted
+        finally:
+            torch.set_num_threads(2)
+        try:
+            loss.backward()
+        finally:
+            torch.set_num_threads(threads)
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_replays_run_under_the_flush_to_zero_of_the_call(same_under_dtr):
+    # torch.set_flush_denormal zeroes subnormal results: a product recorded
+    # with it on and rebuilt with it off gave other bits
+    w = torch.ones(64, requires_grad=True)
+    x = torch.full((64, ), 1e-20)
+
+    def step():
+        w.grad = None
+        try:
+            torch.set_flush_denormal(True)
+            m = (x * 1e-19) * w  # x * 1e-19 is subnormal: 0; mul saves it
+            torch.set_flush_denormal(False)
+            torch.ones(1 << 21).exp()  # above the peak: it is evicted
+            loss = m.sum()
+            loss.backward()
+        finally:
+            torch.set_flush_denormal(False)
+        return [loss, w.grad]
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip('no flush-to-zero on this CPU')
+    assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.mark.parametrize('backend', ['mkldnn', 'cuda'])
+def test_recording_survives_the_per_backend_precision_api(
+        same_under_dtr, precision_state, backend):
+    # once a per-backend precision is set, torch's legacy getter
+    # (float32_matmul_precision) raises: every recorded op raised with it
+    # (that a replay restores these values is tested above)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(256, 64)
+    matmul = getattr(torch.backends, backend).matmul
+
+    def step():
+        w.grad = None
+        matmul.fp32_precision = 'tf32'
+        h = (x @ w).tanh()  # tanh saves its output, mm its input
+        loss = (h @ w).sum()
+        del h  # now only autograd holds it
+        torch.ones(1 << 21).exp()  # above the peak: it is evicted
+        matmul.fp32_precision = 'ieee'
+        loss.backward()
+        return [loss, w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
