@@ -252,7 +252,7 @@ def run_command(command: str,
         capacity = parse_size(args.capacity, '--capacity')
     max_batch = _default(args.max_batch, 'max_batch', args, 1024)
     headroom = parse_size(args.headroom, '--headroom')
-    start_batch = min(args.start_batch or 1, max_batch)
+    start_batch = args.start_batch or 1
     settings.update(
         capacity=capacity,
         max_batch=max_batch,
@@ -282,6 +282,14 @@ def check_args(args) -> None:
         if capacity is not None and headroom >= capacity:
             raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
                              f'--capacity {args.capacity}.')
+        max_batch = _default(args.max_batch, 'max_batch', args, 1024)
+        if args.start_batch is not None and args.start_batch > max_batch:
+            raise MmdtrError(
+                f'--start-batch {args.start_batch} is above the largest '
+                f'batch tried, {max_batch} (--max-batch'
+                f"{', as --quick sets it' if args.max_batch is None else ''}"
+                ').',
+                hint='give a smaller --start-batch or a larger --max-batch.')
     if args.command in ('compare', 'all'):
         match = parse_match(args.match)
         if isinstance(match, int):

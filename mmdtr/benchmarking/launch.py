@@ -108,8 +108,10 @@ def _child(spec: dict, log_path: str, conn) -> None:
     with open(log_path, 'w') as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    from mmdtr.benchmarking.worker import run_spec
-    conn.send(run_spec(spec))
+    from mmdtr.benchmarking.worker import log_result, run_spec
+    result = run_spec(spec)
+    log_result(result)
+    conn.send(result)
     conn.close()
 
 

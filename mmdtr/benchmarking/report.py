@@ -237,7 +237,8 @@ def markdown(results: dict) -> str:
             '## Largest batch', '',
             _settings_line(section['settings'], _PROBE_KEYS) +
             f", capacity={format_size(data['capacity'])}, "
-            f"max batch={data['max_batch']}, policy={data['policy']}, "
+            f"batches {data.get('start_batch', 1)} to {data['max_batch']}, "
+            f"policy={data['policy']}, "
             f"DTR threshold=capacity - {format_size(data['headroom'])}; "
             f"fits: {data['criterion']}.", '',
             '| technique | largest batch | peak at it (MiB, '

@@ -201,9 +201,13 @@ def run_spec(spec: dict) -> dict:
     result['wall_s'] = time.perf_counter() - start
     if load is not None:  # 1-minute load average at start and end
         result['load_average'] = [round(load, 2), round(os.getloadavg()[0], 2)]
-    # the run's log ends with its result: readable when the tool is cut off
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return result
+
+
+def log_result(result: dict) -> None:
+    """End a launched run's log (its stdout) with its result as JSON, so
+    that a search cut off before ``results.json`` leaves what it found."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 def main(argv=None) -> None:
@@ -214,6 +218,7 @@ def main(argv=None) -> None:
     result = run_spec(spec)
     with open(result_path, 'w') as f:
         json.dump(result, f)
+    log_result(result)
 
 
 if __name__ == '__main__':

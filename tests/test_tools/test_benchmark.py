@@ -218,7 +218,7 @@ def test_overrides_must_fit_the_dataset():
         load_config(GPT, image_size=32)
 
 
-def test_run_spec_in_process_and_in_a_subprocess(tmp_path):
+def test_run_spec_in_process_and_in_a_subprocess(tmp_path, capsys):
     common = dict(cfg_options=SMALL, image_size=64, warmup=0)
     meter_spec = make_spec(
         RESNET,
@@ -247,17 +247,20 @@ def test_run_spec_in_process_and_in_a_subprocess(tmp_path):
     assert result['evictions'] > 0
     assert result['independent_meter'] == 'torch.profiler'
 
-    # the same run in a fresh interpreter meters the same bytes
-    launched = Launcher('subprocess', str(tmp_path)).run(meter_spec, 'm')
-    assert launched['status'] == 'ok', launched['error']
-    assert launched['peak_engine'] == meter['peak_engine']
-    with open(launched['log']) as f:  # its last line holds the result
-        last = f.read().splitlines()[-1]
-    assert last.startswith(RESULT_PREFIX)
-    assert json.loads(last[len(RESULT_PREFIX):]) == {
-        k: v
-        for k, v in launched.items() if k != 'log'
-    }
+    assert RESULT_PREFIX not in capsys.readouterr().out  # launched runs'
+
+    # the same run in a fresh process meters the same bytes
+    for kind in {'subprocess', default_launcher('cpu')}:
+        launched = Launcher(kind, str(tmp_path)).run(meter_spec, kind)
+        assert launched['status'] == 'ok', launched['error']
+        assert launched['peak_engine'] == meter['peak_engine']
+        with open(launched['log']) as f:  # its last line holds the result
+            last = f.read().splitlines()[-1]
+        assert last.startswith(RESULT_PREFIX)
+        assert json.loads(last[len(RESULT_PREFIX):]) == {
+            k: v
+            for k, v in launched.items() if k != 'log'
+        }
     bad = run_spec(dict(spec, config=str(tmp_path / 'missing.py')))
     assert bad['status'] == 'error' and 'missing.py' in bad['error']
 
