@@ -1,12 +1,13 @@
-"""The CUDA meter: ``torch.cuda.memory_allocated`` at the cost of one read.
+"""The CUDA meter: ``torch.cuda.memory_allocated``, without its flattening.
 
 ``torch.cuda.memory_allocated`` flattens and sorts the allocator's whole
-statistics tree (about 150 entries) into an ordered dict on every call; read
-after every op, that was most of the engine's per-op cost on a GPU. The
-reader here takes the one counter from the nested statistics instead (R1,
-R11), after checking once that it agrees with ``memory_allocated``; where it
-does not (another layout in another torch), it falls back to
-``memory_allocated`` itself.
+statistics tree into an ordered dict on every call; read after every op,
+that was most of the engine's per-op cost on a GPU (figures in
+docs/benchmarks.md). The reader here takes the one counter from the nested
+statistics instead (R1, R11), after checking once that it agrees with
+``memory_allocated``; where it does not (another layout in another torch),
+it falls back to ``memory_allocated`` itself. Like the engine that owns it,
+a reader does not cross a fork.
 """
 import torch
 
@@ -15,8 +16,8 @@ class CudaAllocatedBytes:
     """Reads ``torch.cuda.memory_allocated(device)``.
 
     Args:
-        device (torch.device): A CUDA device; without an index, the current
-            one.
+        device (torch.device): A CUDA device; without an index, the one
+            current at the first read after CUDA is initialized.
     """
 
     def __init__(self, device: torch.device):
