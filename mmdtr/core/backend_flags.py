@@ -91,9 +91,14 @@ def flushing_denormals() -> bool:
     return _DENORMAL * _ONE == 0.0
 
 
-def _set_deterministic(value):
-    _C._set_deterministic_algorithms(
-        value, warn_only=_C._get_deterministic_algorithms_warn_only())
+def _deterministic():
+    """``(enabled, warn_only)`` of ``torch.use_deterministic_algorithms``."""
+    return (_C._get_deterministic_algorithms(),
+            _C._get_deterministic_algorithms_warn_only())
+
+
+def _set_deterministic(enabled, warn_only):
+    _C._set_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _all_switches():
@@ -103,7 +108,7 @@ def _all_switches():
     legacy = tuple((_tolerant(get), put)
                    for get, put in filter(None, map(_switch, legacy)))
     precisions = _fp32_precisions(_PRECISIONS)
-    return ((_C._get_deterministic_algorithms, _set_deterministic), ) + \
+    return ((_deterministic, _set_deterministic), ) + \
         tuple(filter(None, map(_switch, names))) + legacy + precisions + \
         ((torch.get_num_threads, torch.set_num_threads),
          (flushing_denormals, torch.set_flush_denormal))

@@ -15,7 +15,8 @@ import torch
 from mmdtr.errors import MmdtrError
 from .cuda_meter import CudaAllocatedBytes
 from .eviction import Evictor
-from .op_semantics import batch_norm_in_training, get_arg, op_info
+from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
+                           batch_norm_in_training, get_arg, op_info)
 from .recipes import AllocNode, Recipes
 from .records import _PLAIN, StorageRecord, StorageRef, managed
 from .replay import Replayer
@@ -58,6 +59,13 @@ def _has_storage(t) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _cuda_replayable(determinism: str) -> bool:
+    """Whether a CUDA op gives the same bits when replayed (R4)."""
+    return determinism == ALWAYS or (
+        determinism == IN_DETERMINISTIC_MODE
+        and torch.are_deterministic_algorithms_enabled())
 
 
 def _input_storages(args, kwargs) -> set:
@@ -202,9 +210,8 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
-        replayable = info.replayable and (
-            not info.nondeterministic or not self.cuda
-            or torch.are_deterministic_algorithms_enabled())
+        replayable = info.replayable and (not self.cuda or _cuda_replayable(
+            info.cuda_determinism))
         target = self._mutation_target(declared, info.full_overwrite) \
             if declared else None
         record_creator = bool(new) and torch.is_grad_enabled()

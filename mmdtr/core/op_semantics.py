@@ -41,6 +41,52 @@ _FULL_OVERWRITE = frozenset({
 _FRESH_BUFFER_PREFIXES = ('empty', 'new_empty', '_empty', 'zeros', 'new_zeros',
                           'ones', 'new_ones', 'full', 'new_full')
 
+#: How far an op's CUDA kernels are bitwise deterministic (R4): ``ALWAYS``;
+#: ``IN_DETERMINISTIC_MODE``, ops with atomics-based kernels that take a
+#: deterministic one under ``torch.use_deterministic_algorithms(True)``;
+#: ``NEVER``, ops without one (that mode raises, or warns with
+#: ``warn_only``, and runs the nondeterministic kernel). PyTorch tags no
+#: ``aten`` op ``nondeterministic_bitwise``, so these come from its
+#: documentation of ``use_deterministic_algorithms``; the tag (custom ops)
+#: counts as ``IN_DETERMINISTIC_MODE``. Names are base names (in-place and
+#: ``out=`` forms share them).
+ALWAYS, IN_DETERMINISTIC_MODE, NEVER = 'always', 'in deterministic mode', \
+    'never'
+_CUDA_DETERMINISTIC_IN_MODE = frozenset({
+    'index_add', 'index_put', '_index_put_impl', '_unsafe_index_put',
+    'index_copy', 'index_reduce', 'scatter', 'scatter_add', 'scatter_reduce',
+    'cumsum', 'embedding_dense_backward', 'index_select_backward',
+    'repeat_interleave'
+})
+_CUDA_NONDETERMINISTIC = frozenset({
+    'histc', 'bincount', 'kthvalue', 'median', 'nanmedian', 'put',
+    'nll_loss2d_forward', 'nll_loss2d_backward', 'embedding_bag',
+    '_embedding_bag', '_embedding_bag_forward_only', '_embedding_bag_backward',
+    '_embedding_bag_dense_backward', '_ctc_loss', '_ctc_loss_backward',
+    'max_unpool2d', 'max_unpool3d', 'avg_pool3d_backward',
+    '_adaptive_avg_pool2d_backward', 'adaptive_avg_pool3d_backward',
+    '_adaptive_avg_pool3d_backward', 'max_pool3d_with_indices_backward',
+    'adaptive_max_pool2d_backward', 'adaptive_max_pool3d_backward',
+    'fractional_max_pool2d_backward', 'fractional_max_pool3d_backward',
+    'upsample_linear1d_backward', 'upsample_bilinear2d_backward',
+    '_upsample_bilinear2d_aa_backward', 'upsample_bicubic2d_backward',
+    '_upsample_bicubic2d_aa_backward', 'upsample_trilinear3d_backward',
+    'reflection_pad1d_backward', 'reflection_pad2d_backward',
+    'reflection_pad3d_backward', 'replication_pad1d_backward',
+    'replication_pad2d_backward', 'replication_pad3d_backward',
+    'grid_sampler_2d_backward', 'grid_sampler_3d_backward'
+})
+
+
+def _cuda_determinism(name: str, tags) -> str:
+    base = name[:-1] if name.endswith('_') and name != '_' else name
+    if base in _CUDA_NONDETERMINISTIC:
+        return NEVER
+    if base in _CUDA_DETERMINISTIC_IN_MODE or \
+            torch.Tag.nondeterministic_bitwise in tags:
+        return IN_DETERMINISTIC_MODE
+    return ALWAYS
+
 
 class OpInfo(NamedTuple):
     """Static facts about one operator overload.
@@ -62,8 +108,8 @@ class OpInfo(NamedTuple):
             forms), recomputable only once overwritten whole.
         full_overwrite (bool): Whether it overwrites ``self`` regardless of
             its prior content.
-        nondeterministic (bool): Whether the op may be bitwise
-            nondeterministic on accelerators.
+        cuda_determinism (str): ``ALWAYS``, ``IN_DETERMINISTIC_MODE`` or
+            ``NEVER``: when its CUDA kernels are bitwise deterministic.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
         swaps_storage (bool): Whether the op points ``self`` at another
@@ -80,7 +126,7 @@ class OpInfo(NamedTuple):
     random: bool
     fresh_buffer: bool
     full_overwrite: bool
-    nondeterministic: bool
+    cuda_determinism: str
     fresh_returns: bool
     swaps_storage: bool
     versions_lists: bool
@@ -139,7 +185,7 @@ def _classify(func) -> OpInfo:
         random=torch.Tag.nondeterministic_seeded in tags,
         fresh_buffer=name.startswith(_FRESH_BUFFER_PREFIXES),
         full_overwrite=name in _FULL_OVERWRITE,
-        nondeterministic=torch.Tag.nondeterministic_bitwise in tags,
+        cuda_determinism=_cuda_determinism(name, tags),
         fresh_returns=all(r.alias_info is None for r in schema.returns),
         swaps_storage=name == 'set_',
         versions_lists=name.startswith('_foreach_') and bool(side_effects))

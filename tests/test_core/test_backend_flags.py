@@ -52,13 +52,29 @@ def test_switched_to_sets_what_differs_and_puts_it_back():
 
 def test_switched_to_puts_back_after_an_exception():
     before = current()
-    recorded = (not before[0], not before[1]) + before[2:]  # both bools
+    (enabled, warn_only), mkldnn = before[:2]
+    recorded = ((not enabled, warn_only), not mkldnn) + before[2:]
     try:
         with switched_to(recorded):
             assert current() == recorded
             raise KeyError('in the replay')
     except KeyError:
         pass
+    assert current() == before
+
+
+def test_switched_to_keeps_warn_only_of_deterministic_mode():
+    # recorded under use_deterministic_algorithms(True, warn_only=True), a
+    # replay ran with warn_only off: an op eager only warned about raised
+    before = current()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        recorded = current()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with switched_to(recorded):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
     assert current() == before
 
 

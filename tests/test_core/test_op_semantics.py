@@ -1,11 +1,15 @@
 """Static facts about ops (mmdtr/core/op_semantics.py), checked against
 what eager PyTorch does."""
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from mmdtr.core.op_semantics import op_info
+from mmdtr.core.engine import EngineState
+from mmdtr.core.op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE, NEVER,
+                                     op_info)
+from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
 
 A = torch.ops.aten
@@ -95,3 +99,45 @@ def test_versions_move_under_dtr_as_in_eager(name):
             func(*args, **kwargs)
         moved.append([t._version - v for t, v in zip(tensors, before)])
     assert moved[0] == moved[1]
+
+
+@pytest.mark.parametrize('op, determinism',
+                         [(A.mm.default, ALWAYS),
+                          (A.convolution.default, ALWAYS),
+                          (A.index_add.default, IN_DETERMINISTIC_MODE),
+                          (A.index_add_.default, IN_DETERMINISTIC_MODE),
+                          (A.index_put_.default, IN_DETERMINISTIC_MODE),
+                          (A.scatter_add.default, IN_DETERMINISTIC_MODE),
+                          (A.scatter_reduce.two, IN_DETERMINISTIC_MODE),
+                          (A.histc.default, NEVER),
+                          (A.kthvalue.default, NEVER),
+                          (A.nll_loss2d_forward.default, NEVER)])
+def test_cuda_determinism_of_ops(op, determinism):
+    # PyTorch tags no aten op nondeterministic_bitwise: read from the tag,
+    # index_add, scatter_add and the rest counted as deterministic
+    assert op_info(op).cuda_determinism == determinism
+
+
+@pytest.mark.parametrize('deterministic', [False, True])
+def test_cuda_keeps_what_a_replay_would_compute_other_bits_of(deterministic):
+    # an atomics-based CUDA kernel sums in another order on each call: a
+    # rebuild of its output gave a gradient of another loss (R4)
+    state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
+    state.cuda = True  # the CUDA rule, driven on CPU
+    state.cuda_meter = SimpleNamespace(read=lambda: 0)
+    x = torch.randn(64, 8, requires_grad=True)
+    index = torch.randint(0, 4, (64, ))
+
+    def creator(op, *args):
+        out = state.on_op(op, args, {})
+        return state.records[out.untyped_storage()._cdata].creator
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        assert creator(A.mul.Tensor, x, x) is not None
+        summed = creator(A.index_add.default, torch.zeros(4, 8), 0, index, x)
+        assert (summed is not None) == deterministic
+        assert creator(A.histc.default, x.detach(), 8) is None
+    finally:
+        torch.use_deterministic_algorithms(before)
