@@ -50,13 +50,13 @@ _FRESH_BUFFER_PREFIXES = ('empty', 'new_empty', '_empty', 'zeros', 'new_zeros',
 #: documentation of ``use_deterministic_algorithms``; the tag (custom ops)
 #: counts as ``IN_DETERMINISTIC_MODE``. Names are base names (in-place and
 #: ``out=`` forms share them).
-ALWAYS, IN_DETERMINISTIC_MODE, NEVER = 'always', 'in deterministic mode', \
-    'never'
+ALWAYS = 'always'
+IN_DETERMINISTIC_MODE = 'in deterministic mode'
+NEVER = 'never'
 _CUDA_DETERMINISTIC_IN_MODE = frozenset({
     'index_add', 'index_put', '_index_put_impl', '_unsafe_index_put',
     'index_copy', 'index_reduce', 'scatter', 'scatter_add', 'scatter_reduce',
-    'cumsum', 'embedding_dense_backward', 'index_select_backward',
-    'repeat_interleave'
+    'cumsum', 'embedding_dense_backward', 'index_select_backward'
 })
 _CUDA_NONDETERMINISTIC = frozenset({
     'histc', 'bincount', 'kthvalue', 'median', 'nanmedian', 'put',
@@ -79,7 +79,7 @@ _CUDA_NONDETERMINISTIC = frozenset({
 
 
 def _cuda_determinism(name: str, tags) -> str:
-    base = name[:-1] if name.endswith('_') and name != '_' else name
+    base = name[:-1] if name.endswith('_') else name  # in-place forms
     if base in _CUDA_NONDETERMINISTIC:
         return NEVER
     if base in _CUDA_DETERMINISTIC_IN_MODE or \
