@@ -127,7 +127,8 @@ def _put(values: tuple) -> None:
     """Set the switches that differ from ``values`` (``None``: unknown, left
     as is). A setter may change other switches (a parent precision its
     children, a legacy flag another), so the switches are read and set again
-    until they all read as asked, three passes at most."""
+    until those known read as asked, three passes at most; tested for every
+    pair of precision changes, not proven for longer sequences."""
     for _ in range(3):
         pending = [(put, then)
                    for (_, put), then, was in zip(_SWITCHES, values, current())

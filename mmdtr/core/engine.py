@@ -61,8 +61,8 @@ def _has_storage(t) -> bool:
     return True
 
 
-def _cuda_replayable(determinism: str) -> bool:
-    """Whether a CUDA op gives the same bits when replayed (R4)."""
+def _deterministic(determinism: str) -> bool:
+    """Whether an op gives the same bits when replayed (R4)."""
     return determinism == ALWAYS or (
         determinism == IN_DETERMINISTIC_MODE
         and torch.are_deterministic_algorithms_enabled())
@@ -210,8 +210,8 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
-        replayable = info.replayable and (not self.cuda or _cuda_replayable(
-            info.cuda_determinism))
+        replayable = info.replayable and _deterministic(
+            info.cuda_determinism if self.cuda else info.cpu_determinism)
         target = self._mutation_target(declared, info.full_overwrite) \
             if declared else None
         record_creator = bool(new) and torch.is_grad_enabled()

@@ -41,51 +41,65 @@ _FULL_OVERWRITE = frozenset({
 _FRESH_BUFFER_PREFIXES = ('empty', 'new_empty', '_empty', 'zeros', 'new_zeros',
                           'ones', 'new_ones', 'full', 'new_full')
 
-#: How far an op's CUDA kernels are bitwise deterministic (R4): ``ALWAYS``;
-#: ``IN_DETERMINISTIC_MODE``, ops with atomics-based kernels that take a
-#: deterministic one under ``torch.use_deterministic_algorithms(True)``;
-#: ``NEVER``, ops without one (that mode raises, or warns with
-#: ``warn_only``, and runs the nondeterministic kernel). PyTorch tags no
-#: ``aten`` op ``nondeterministic_bitwise``, so these come from its
-#: documentation of ``use_deterministic_algorithms``; the tag (custom ops)
-#: counts as ``IN_DETERMINISTIC_MODE``. Names are base names (in-place and
+#: How far an op's kernels on a device are bitwise deterministic (R4):
+#: ``ALWAYS``; ``IN_DETERMINISTIC_MODE``, ops whose default kernels may
+#: give other bits on each call (atomics, parallel writes to duplicate
+#: indices) and which take a deterministic kernel under
+#: ``torch.use_deterministic_algorithms(True)``; ``NEVER``, ops without
+#: one (that mode raises, or warns with ``warn_only`` and runs the
+#: nondeterministic kernel). PyTorch tags no ``aten`` op
+#: ``nondeterministic_bitwise``, so the lists follow the documentation of
+#: ``use_deterministic_algorithms`` (torch 2.13), except that a forward
+#: convolution counts as ``ALWAYS``: cuDNN documents its forward routines
+#: as bitwise reproducible, PyTorch's entry is for the backward algorithms
+#: (``convolution_backward``) and for benchmark mode's choice, made once
+#: per shape. Ops whose entry depends on an argument (``scatter_reduce``'s
+#: ``reduce``) take the stricter class. Names are base names (in-place and
 #: ``out=`` forms share them).
 ALWAYS = 'always'
 IN_DETERMINISTIC_MODE = 'in deterministic mode'
 NEVER = 'never'
-_CUDA_DETERMINISTIC_IN_MODE = frozenset({
-    'index_add', 'index_put', '_index_put_impl', '_unsafe_index_put',
-    'index_copy', 'index_reduce', 'scatter', 'scatter_add', 'scatter_reduce',
-    'cumsum', 'embedding_dense_backward', 'index_select_backward'
-})
-_CUDA_NONDETERMINISTIC = frozenset({
-    'histc', 'bincount', 'kthvalue', 'median', 'nanmedian', 'put',
-    'nll_loss2d_forward', 'nll_loss2d_backward', 'embedding_bag',
-    '_embedding_bag', '_embedding_bag_forward_only', '_embedding_bag_backward',
-    '_embedding_bag_dense_backward', '_ctc_loss', '_ctc_loss_backward',
-    'max_unpool2d', 'max_unpool3d', 'avg_pool3d_backward',
-    '_adaptive_avg_pool2d_backward', 'adaptive_avg_pool3d_backward',
-    '_adaptive_avg_pool3d_backward', 'max_pool3d_with_indices_backward',
-    'adaptive_max_pool2d_backward', 'adaptive_max_pool3d_backward',
-    'fractional_max_pool2d_backward', 'fractional_max_pool3d_backward',
-    'upsample_linear1d_backward', 'upsample_bilinear2d_backward',
-    '_upsample_bilinear2d_aa_backward', 'upsample_bicubic2d_backward',
-    '_upsample_bicubic2d_aa_backward', 'upsample_trilinear3d_backward',
-    'reflection_pad1d_backward', 'reflection_pad2d_backward',
-    'reflection_pad3d_backward', 'replication_pad1d_backward',
-    'replication_pad2d_backward', 'replication_pad3d_backward',
-    'grid_sampler_2d_backward', 'grid_sampler_3d_backward'
-})
+_INDEX_PUTS = ('index_put', '_index_put_impl', '_unsafe_index_put',
+               '_unsafe_masked_index_put_accumulate', 'index_copy')
+_CPU_CLASSES = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
+_CPU_CLASSES.update(
+    dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
+_CUDA_CLASSES = dict.fromkeys(
+    _INDEX_PUTS +
+    ('index_add', 'scatter', 'scatter_add', 'embedding_dense_backward',
+     'convolution_backward', 'replication_pad1d_backward',
+     'replication_pad2d_backward', 'replication_pad3d_backward',
+     'max_pool3d_with_indices_backward'), IN_DETERMINISTIC_MODE)
+_CUDA_CLASSES.update(
+    dict.fromkeys(
+        ('index_reduce', 'scatter_reduce', 'histc', 'bincount', 'kthvalue',
+         'median', 'nanmedian', 'cumsum', 'put', 'nll_loss2d_forward',
+         'nll_loss2d_backward', '_embedding_bag_backward',
+         '_embedding_bag_dense_backward', '_ctc_loss_backward', 'max_unpool2d',
+         'max_unpool3d', 'avg_pool3d_backward',
+         '_adaptive_avg_pool2d_backward', 'adaptive_avg_pool3d_backward',
+         '_adaptive_avg_pool3d_backward', 'adaptive_max_pool2d_backward',
+         'adaptive_max_pool3d_backward', 'fractional_max_pool2d_backward',
+         'fractional_max_pool3d_backward', 'upsample_linear1d_backward',
+         'upsample_bilinear2d_backward', '_upsample_bilinear2d_aa_backward',
+         'upsample_bicubic2d_backward', '_upsample_bicubic2d_aa_backward',
+         'upsample_trilinear3d_backward', 'reflection_pad1d_backward',
+         'reflection_pad2d_backward', 'reflection_pad3d_backward',
+         'grid_sampler_2d_backward', 'grid_sampler_3d_backward'), NEVER))
+#: ``scatter`` with a ``reduce`` argument has no deterministic CUDA kernel
+_CUDA_NEVER_OVERLOADS = frozenset({('scatter', 'reduce'),
+                                   ('scatter', 'value_reduce'),
+                                   ('scatter', 'reduce_out'),
+                                   ('scatter', 'value_reduce_out')})
 
 
-def _cuda_determinism(name: str, tags) -> str:
+def _determinism(name: str, overload: str) -> Tuple[str, str]:
+    """``(on CPU, on CUDA)``: when the op's kernels are deterministic."""
     base = name[:-1] if name.endswith('_') else name  # in-place forms
-    if base in _CUDA_NONDETERMINISTIC:
-        return NEVER
-    if base in _CUDA_DETERMINISTIC_IN_MODE or \
-            torch.Tag.nondeterministic_bitwise in tags:
-        return IN_DETERMINISTIC_MODE
-    return ALWAYS
+    cuda = _CUDA_CLASSES.get(base, ALWAYS)
+    if (base, overload) in _CUDA_NEVER_OVERLOADS:
+        cuda = NEVER
+    return _CPU_CLASSES.get(base, ALWAYS), cuda
 
 
 class OpInfo(NamedTuple):
@@ -108,8 +122,9 @@ class OpInfo(NamedTuple):
             forms), recomputable only once overwritten whole.
         full_overwrite (bool): Whether it overwrites ``self`` regardless of
             its prior content.
-        cuda_determinism (str): ``ALWAYS``, ``IN_DETERMINISTIC_MODE`` or
-            ``NEVER``: when its CUDA kernels are bitwise deterministic.
+        cpu_determinism (str): ``ALWAYS``, ``IN_DETERMINISTIC_MODE`` or
+            ``NEVER``: when its CPU kernels are bitwise deterministic.
+        cuda_determinism (str): The same for its CUDA kernels.
         fresh_returns (bool): Whether no return is alias-annotated, so an
             output whose storage has no other user is a new allocation.
         swaps_storage (bool): Whether the op points ``self`` at another
@@ -126,6 +141,7 @@ class OpInfo(NamedTuple):
     random: bool
     fresh_buffer: bool
     full_overwrite: bool
+    cpu_determinism: str
     cuda_determinism: str
     fresh_returns: bool
     swaps_storage: bool
@@ -176,6 +192,7 @@ def _classify(func) -> OpInfo:
     if name in ('set_', 'resize_', 'resize_as_', '_resize_output_',
                 'record_stream', 'as_strided_', '_local_scalar_dense'):
         replayable = False
+    cpu, cuda = _determinism(name, func._overloadname)
     return OpInfo(
         arg_names=arg_names,
         written_args=tuple(written),
@@ -185,7 +202,8 @@ def _classify(func) -> OpInfo:
         random=torch.Tag.nondeterministic_seeded in tags,
         fresh_buffer=name.startswith(_FRESH_BUFFER_PREFIXES),
         full_overwrite=name in _FULL_OVERWRITE,
-        cuda_determinism=_cuda_determinism(name, tags),
+        cpu_determinism=cpu,
+        cuda_determinism=cuda,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
         swaps_storage=name == 'set_',
         versions_lists=name.startswith('_foreach_') and bool(side_effects))

@@ -101,30 +101,39 @@ def test_versions_move_under_dtr_as_in_eager(name):
     assert moved[0] == moved[1]
 
 
-@pytest.mark.parametrize('op, determinism',
-                         [(A.mm.default, ALWAYS),
-                          (A.convolution.default, ALWAYS),
-                          (A.index_add.default, IN_DETERMINISTIC_MODE),
-                          (A.index_add_.default, IN_DETERMINISTIC_MODE),
-                          (A.index_put_.default, IN_DETERMINISTIC_MODE),
-                          (A.scatter_add.default, IN_DETERMINISTIC_MODE),
-                          (A.scatter_reduce.two, IN_DETERMINISTIC_MODE),
-                          (A.histc.default, NEVER),
-                          (A.kthvalue.default, NEVER),
-                          (A.nll_loss2d_forward.default, NEVER)])
-def test_cuda_determinism_of_ops(op, determinism):
+@pytest.mark.parametrize('op, cpu, cuda', [
+    (A.mm.default, ALWAYS, ALWAYS), (A.convolution.default, ALWAYS, ALWAYS),
+    (A.convolution_backward.default, ALWAYS, IN_DETERMINISTIC_MODE),
+    (A.index_add.default, ALWAYS, IN_DETERMINISTIC_MODE),
+    (A.index_add_.default, ALWAYS, IN_DETERMINISTIC_MODE),
+    (A.scatter_add.default, ALWAYS, IN_DETERMINISTIC_MODE),
+    (A.scatter.src, ALWAYS, IN_DETERMINISTIC_MODE),
+    (A.scatter.reduce, ALWAYS, NEVER), (A.scatter_reduce.two, ALWAYS, NEVER),
+    (A.index_reduce.default, ALWAYS, NEVER),
+    (A.index_put_.default, IN_DETERMINISTIC_MODE, IN_DETERMINISTIC_MODE),
+    (A.index_copy.default, IN_DETERMINISTIC_MODE, IN_DETERMINISTIC_MODE),
+    (A.put_.default, NEVER, NEVER), (A.histc.default, ALWAYS, NEVER),
+    (A.kthvalue.default, ALWAYS, NEVER),
+    (A.nll_loss2d_forward.default, ALWAYS, NEVER)
+])
+def test_determinism_of_ops(op, cpu, cuda):
     # PyTorch tags no aten op nondeterministic_bitwise: read from the tag,
-    # index_add, scatter_add and the rest counted as deterministic
-    assert op_info(op).cuda_determinism == determinism
+    # index_add, scatter_add, index_put and the rest counted as
+    # deterministic
+    info = op_info(op)
+    assert (info.cpu_determinism, info.cuda_determinism) == (cpu, cuda)
 
 
+@pytest.mark.parametrize('cuda', [False, True])
 @pytest.mark.parametrize('deterministic', [False, True])
-def test_cuda_keeps_what_a_replay_would_compute_other_bits_of(deterministic):
-    # an atomics-based CUDA kernel sums in another order on each call: a
-    # rebuild of its output gave a gradient of another loss (R4)
+def test_keeps_what_a_replay_would_compute_other_bits_of(cuda, deterministic):
+    # an atomics-based CUDA kernel sums in another order on each call, and
+    # index_put with duplicate indices writes them in any order, also on
+    # CPU: a rebuild of their output gave a gradient of another loss (R4)
     state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
-    state.cuda = True  # the CUDA rule, driven on CPU
-    state.cuda_meter = SimpleNamespace(read=lambda: 0)
+    if cuda:
+        state.cuda = True  # the CUDA classes, driven on CPU
+        state.cuda_meter = SimpleNamespace(read=lambda: 0)
     x = torch.randn(64, 8, requires_grad=True)
     index = torch.randint(0, 4, (64, ))
 
@@ -132,12 +141,15 @@ def test_cuda_keeps_what_a_replay_would_compute_other_bits_of(deterministic):
         out = state.on_op(op, args, {})
         return state.records[out.untyped_storage()._cdata].creator
 
-    before = torch.are_deterministic_algorithms_enabled()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(deterministic)
     try:
         assert creator(A.mul.Tensor, x, x) is not None
-        summed = creator(A.index_add.default, torch.zeros(4, 8), 0, index, x)
-        assert (summed is not None) == deterministic
-        assert creator(A.histc.default, x.detach(), 8) is None
+        added = creator(A.index_add.default, torch.zeros(4, 8), 0, index, x)
+        assert (added is not None) == (deterministic or not cuda)
+        put = creator(A.index_put.default, torch.zeros(4, 8), [index], x)
+        assert (put is not None) == deterministic
+        assert (creator(A.histc.default, x.detach(), 8) is None) == cuda
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
