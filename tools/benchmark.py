@@ -152,6 +152,11 @@ def _default(value, quick_key, args, normal):
     return QUICK[quick_key] if args.quick else normal
 
 
+def _max_batch(args) -> int:
+    """The largest batch largest-batch tries."""
+    return _default(args.max_batch, 'max_batch', args, 1024)
+
+
 def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
     """The suite of runs the arguments describe."""
     dataset = cfg.train_dataloader.dataset
@@ -250,7 +255,7 @@ def run_command(command: str,
         return 'compare', dict(settings=settings, runs=runs)
     if capacity is None:
         capacity = parse_size(args.capacity, '--capacity')
-    max_batch = _default(args.max_batch, 'max_batch', args, 1024)
+    max_batch = _max_batch(args)
     headroom = parse_size(args.headroom, '--headroom')
     start_batch = args.start_batch or 1
     settings.update(
@@ -282,7 +287,7 @@ def check_args(args) -> None:
         if capacity is not None and headroom >= capacity:
             raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
                              f'--capacity {args.capacity}.')
-        max_batch = _default(args.max_batch, 'max_batch', args, 1024)
+        max_batch = _max_batch(args)
         if args.start_batch is not None and args.start_batch > max_batch:
             raise MmdtrError(
                 f'--start-batch {args.start_batch} is above the largest '

@@ -123,20 +123,22 @@ def current() -> tuple:
     return tuple([get() for get in _GETTERS])
 
 
-def _put(values: tuple) -> None:
+def _put(values: tuple, now: tuple) -> None:
     """Set the switches that differ from ``values`` (``None``: unknown, left
-    as is). A setter may change other switches (a parent precision its
-    children, a legacy flag another), so the switches are read and set again
-    until those known read as asked, three passes at most; tested for every
-    pair of precision changes, not proven for longer sequences."""
+    as is); ``now`` is what they read before. A setter may change other
+    switches (a parent precision its children, a legacy flag another), so
+    the switches are read and set again until those known read as asked,
+    three passes at most; tested for every pair of precision changes, not
+    proven for longer sequences."""
     for _ in range(3):
         pending = [(put, then)
-                   for (_, put), then, was in zip(_SWITCHES, values, current())
+                   for (_, put), then, was in zip(_SWITCHES, values, now)
                    if then != was and None not in (then, was)]
         if not pending:
             return
         for put, then in pending:
             put(*then) if isinstance(then, tuple) else put(then)
+        now = current()
 
 
 @contextlib.contextmanager
@@ -148,7 +150,7 @@ def switched_to(values: tuple):
         yield
         return
     try:
-        _put(values)
+        _put(values, now)
         yield
     finally:
-        _put(now)
+        _put(now, current())

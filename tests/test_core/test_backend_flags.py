@@ -8,13 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mmdtr.core.backend_flags import current, flushing_denormals, switched_to
+from mmdtr.core.backend_flags import (_PRECISIONS, current, flushing_denormals,
+                                      switched_to)
 
 _GET = getattr(torch._C, '_get_fp32_precision_getter', None)
 _SET = getattr(torch._C, '_set_fp32_precision_setter', None)
-_PAIRS = (('generic', 'all'), ('mkldnn', 'all'), ('mkldnn', 'matmul'),
-          ('mkldnn', 'conv'), ('mkldnn', 'rnn'), ('cuda', 'all'),
-          ('cuda', 'matmul'), ('cuda', 'conv'), ('cuda', 'rnn'))
 
 
 @pytest.fixture
@@ -23,7 +21,7 @@ def precision_state():
     if _GET is None:
         pytest.skip('no per-backend fp32_precision in this PyTorch')
     legacy = torch.get_float32_matmul_precision()  # state of its own
-    saved = [(b, o, _GET(b, o)) for b, o in _PAIRS]
+    saved = [(b, o, _GET(b, o)) for b, o in _PRECISIONS]
     yield
     torch.set_float32_matmul_precision(legacy)  # rewrites the matmuls'
     for _ in range(2):  # parents reset their children: twice, in order
