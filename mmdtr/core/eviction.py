@@ -80,9 +80,7 @@ class Evictor:
         rec.join_evicted_class()
         if rec.alias_refs:  # saved handles read where the counters were
             for ref in rec.alias_refs.values():  # (R10)
-                alias = ref()
-                if alias is not None:
-                    ref.dropped_version = alias._version
+                ref.dropped_version = ref.version()
             rec.alias_refs = None
         rec.views.clear()  # the storage is freed here; on_free accounts
         self.evictions += 1

@@ -15,11 +15,36 @@ from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 class AliasRef(weakref.ref):
     """A weak reference to the alias the engine made of a saved tensor.
 
-    The alias shares the saved tensor's version counter (``detach()``
-    does). ``dropped_version`` is that counter's value when the alias was
-    dropped, at an eviction; ``None`` while it is alive (R10).
+    The alias made at the save shares the saved tensor's version counter
+    (``detach()`` does). One made later over the same view, when an unpack
+    hands out a rebuilt storage, has a counter of its own: ``shift`` maps it
+    onto the saved tensor's (``version()``), and the ref it replaces points
+    to it (``successor``), so a write through the tensor handed out is seen
+    by the next unpack as eager sees it. ``dropped_version`` is the mapped
+    value when the alias was dropped, at an eviction; ``None`` while it is
+    alive (R10).
     """
-    __slots__ = ('dropped_version', )
+    __slots__ = ('dropped_version', 'shift', 'successor')
+
+    def version(self):
+        """The saved tensor's counter as this alias reads it, or ``None``
+        (dropped without an eviction: no handle reads it)."""
+        alias = self()
+        return self.dropped_version if alias is None \
+            else alias._version + self.shift
+
+    def latest(self):
+        """The ref now standing for this alias's view."""
+        ref = self
+        while ref.successor is not None:
+            ref = ref.successor
+        return ref
+
+
+def _alias_ref(alias, shift=0):
+    ref = AliasRef(alias)
+    ref.dropped_version, ref.shift, ref.successor = None, shift, None
+    return ref
 
 
 class SavedHandle:
@@ -39,7 +64,7 @@ class SavedHandle:
 
     def __init__(self, state, record, key, alias, saved):
         self.state, self.record, self.key = state, record, key
-        self.alias, self.alias_version = alias, alias()._version
+        self.alias, self.alias_version = alias, alias.version()
         self.saved, self.version = weakref.ref(saved), saved._version
         self.cdata = record.cdata
 
@@ -91,8 +116,7 @@ class SavedTensors:
         ref = rec.alias_refs.get(key) if rec.alias_refs else None
         if ref is None or ref() is None:  # else made at an earlier save of
             alias = rec.views[key] = detached_alias(t)  # t's view: shared
-            ref = AliasRef(alias)
-            ref.dropped_version = None
+            ref = _alias_ref(alias)
             if rec.alias_refs is None:
                 rec.alias_refs = {}
             rec.alias_refs[key] = ref
@@ -129,9 +153,8 @@ class SavedTensors:
                     'Write into the tensor (copy_) instead of replacing '
                     'its .data, or do it outside the DTR scope.')
         else:
-            alias = handle.alias()
-            now = handle.alias.dropped_version if alias is None \
-                else alias._version
+            ref = handle.alias = handle.alias.latest()
+            now = ref.version()
             if now is not None and now != handle.alias_version:
                 raise _modified_error(handle.key[1], handle.alias_version, now)
         # writes that moved no counter of its (batch norm's statistics, an
@@ -143,17 +166,29 @@ class SavedTensors:
             return t
         storage = rec.storage()
         if storage is not None:
-            t = rec.views[handle.key] = view_of(storage, handle.key,
-                                                rec.device)
+            t = view_of(storage, handle.key, rec.device)
+            self._new_alias(rec, handle, t)
             return t
         start = time.perf_counter()
         storage = self.materialize(rec, version)
         t = view_of(storage, handle.key, rec.device)
         if rec.handles:
-            rec.views[handle.key] = t
+            self._new_alias(rec, handle, t)
             self._add_candidate(rec)
         self.remat_seconds += time.perf_counter() - start
         return t
+
+    @staticmethod
+    def _new_alias(rec, handle, t):
+        """Make ``t``, a new tensor over a saved view, the engine's alias of
+        it: its own counter, shifted onto the saved tensor's (R10)."""
+        rec.views[handle.key] = t
+        ref = _alias_ref(t, handle.alias_version - t._version)
+        handle.alias.latest().successor = ref
+        handle.alias = ref
+        if rec.alias_refs is None:
+            rec.alias_refs = {}
+        rec.alias_refs[handle.key] = ref
 
     def release(self, rec):
         rec.handles -= 1

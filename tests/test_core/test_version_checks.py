@@ -111,6 +111,47 @@ def test_write_over_a_saved_chunk_still_refused(refused_like_eager):
     refused_like_eager(step)
 
 
+@pytest.mark.parametrize('reads', [1, 3])
+def test_write_through_a_rebuilt_saved_tensor_is_refused(
+        refused_like_eager, reads):
+    # an unpack after an eviction hands out a rebuilt tensor with a counter
+    # of its own; eager's shares the saved one's, and a write through it is
+    # refused at backward (R10). The engine used to run backward on the
+    # written values
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def step():
+        y = (x @ w).sin().cos()  # cos saves sin's output
+        saved = None
+        for _ in range(reads):  # each read rebuilds it (threshold 1)
+            del saved
+            x.mul(1.0)  # an op: the engine evicts it
+            saved = y.grad_fn._saved_self
+        saved.add_(1.0)
+        del saved
+        y.sum().backward()
+
+    refused_like_eager(step)
+
+
+def test_rebuilt_saved_tensor_read_before_backward(same_under_dtr):
+    # reading it (no write) changes nothing: backward as in eager
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def step():
+        w.grad = None
+        y = (x @ w).sin().cos()
+        for _ in range(3):
+            x.mul(1.0)
+            total = y.grad_fn._saved_self.sum()
+        y.sum().backward()
+        return [w.grad, total]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
 def test_foreach_write_to_a_saved_tensor_is_refused(refused_like_eager):
     # foreach ops return nothing, but eager versions their list writes:
     # the engine's check must see them (R10)
