@@ -31,11 +31,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def managed(t: torch.Tensor) -> bool:
     """Whether the engine may record and evict ``t``'s storage: a plain
     tensor (a subclass's type would be lost), strided, not nested (no
-    strides to rebuild a view from), not quantized, and
-    without a conjugate or negative bit (a rebuilt view carries neither bits
-    nor a quantizer); other tensors are held (R4)."""
+    strides to rebuild a view from), not quantized, not a zero tensor
+    (forward AD's efficient zeros: a size but no data), and without a
+    conjugate or negative bit (a rebuilt view carries neither bits nor a
+    quantizer or the zero bit); other tensors are held (R4)."""
     return type(t) in _PLAIN and t.layout is torch.strided and not (
-        t.is_nested or t.is_quantized or t.is_conj() or t.is_neg())
+        t.is_nested or t.is_quantized or t.is_conj() or t.is_neg()
+        or t._is_zerotensor())
 
 
 def detached_alias(t: torch.Tensor) -> torch.Tensor:

@@ -186,9 +186,13 @@ class Writes:
 
         No storage's bytes change: nothing is versioned (autograd bumps
         ``t``'s version counter, which the saved-tensor check reads, R10).
-        ``t.set_()`` makes a new, empty storage: it is registered, so that
-        growing it later is metered (R11).
+        But recipes hold a leaf from outside as the tensor itself (R4),
+        which then reads other bytes: the records reading ``t``'s storage
+        are frozen first, as before a write (R7). ``t.set_()`` makes a new,
+        empty storage: it is registered, so that growing it later is
+        metered (R11).
         """
+        self._before_write(get_arg(info, args, kwargs, 0))
         out = self._run(func, args, kwargs)
         self.clock += 1
         if len(args) + len(kwargs) == 1:  # set_(): a new storage

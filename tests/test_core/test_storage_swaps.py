@@ -44,6 +44,26 @@ def test_set_on_a_saved_tensor_is_refused(refused_like_eager):
     refused_like_eager(step)
 
 
+def test_set_on_an_input_from_outside(same_under_dtr):
+    # a recipe holds a leaf from outside as the tensor itself: set_ points
+    # it at other bytes, so its readers are frozen first (R7); a rebuild
+    # used to raise MmdtrError where eager runs backward (found by an
+    # adversarial search)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step(x):
+        w.grad = None
+        y = ((x + 1.0) @ w).tanh()  # mm saves x + 1, rebuilt from x
+        with torch.no_grad():
+            x.set_(torch.zeros(8, 16))
+        torch.randn(64, 64).exp()
+        loss = y.sum()
+        loss.backward()
+        return [loss, w.grad, x]
+
+    same_under_dtr(step, setup=lambda: torch.randn(8, 16))
+
+
 def test_set_onto_a_saved_tensor_writes_nothing(same_under_dtr):
     # the source of set_ is neither written nor versioned; the engine saw a
     # write to it (the storage the target has after the call) and refused
