@@ -61,9 +61,25 @@ IN_DETERMINISTIC_MODE = 'in deterministic mode'
 NEVER = 'never'
 _INDEX_PUTS = ('index_put', '_index_put_impl', '_unsafe_index_put',
                '_unsafe_masked_index_put_accumulate', 'index_copy')
-_CPU_CLASSES = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
-_CPU_CLASSES.update(
-    dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
+#: A replay's arguments require no grad (R4), so a CPU convolution's kernel
+#: sees ``need_backward`` false; with XNNPACK built in (ARM, mobile)
+#: PyTorch then may choose XNNPACK or an inference-only depthwise 3x3
+#: Winograd kernel, not the recorded call's: its outputs are kept there.
+_CONVOLUTIONS = ('convolution', '_convolution', 'convolution_overrideable')
+
+
+def _cpu_classes(xnnpack: bool) -> dict:
+    """The CPU classes that differ from ``ALWAYS``."""
+    classes = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
+    classes.update(
+        dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
+    if xnnpack:
+        classes.update(dict.fromkeys(_CONVOLUTIONS, NEVER))
+    return classes
+
+
+_CPU_CLASSES = _cpu_classes(
+    getattr(torch._C, '_is_xnnpack_enabled', lambda: False)())
 _CUDA_CLASSES = dict.fromkeys(
     _INDEX_PUTS +
     ('index_add', 'scatter', 'scatter_add', 'embedding_dense_backward',
