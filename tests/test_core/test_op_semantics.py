@@ -133,8 +133,10 @@ def test_convolutions_are_kept_where_xnnpack_may_take_the_replay():
     with_xnnpack, without = _cpu_classes(True), _cpu_classes(False)
     for name in ('convolution', '_convolution', 'convolution_overrideable'):
         assert with_xnnpack[name] == NEVER and name not in without
-    assert {k: v for k, v in with_xnnpack.items()
-            if 'convolution' not in k} == without
+    assert {
+        k: v
+        for k, v in with_xnnpack.items() if 'convolution' not in k
+    } == without
 
 
 @pytest.mark.parametrize('cuda', [False, True])
