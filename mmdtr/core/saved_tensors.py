@@ -194,6 +194,6 @@ class SavedTensors:
         rec.handles -= 1
         if rec.handles == 0:
             rec.views.clear()
-            rec.alias_refs = None
+            rec.alias_refs = rec.keepalive = None  # frozen: no longer (R7)
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)

@@ -78,26 +78,30 @@ class Writes:
     def _freeze(self, rec):
         """An input of ``rec`` is about to change for good (R7).
 
-        A record something may still rebuild is kept resident for good; one
-        nothing can ask for any more is only made unrecomputable, with all
-        it reaches, without being rebuilt.
+        A record something may still rebuild is kept resident while its
+        saved tensors live (its users are frozen too, so none of them reads
+        it again); one nothing can ask for any more is only made
+        unrecomputable, with all it reaches, without being rebuilt.
         """
-        if rec.keepalive is not None or rec.lo is None:
+        if rec.lo is None:  # unrecomputable already, or frozen
             return
         unneeded = self._unneeded_from(rec)
         if unneeded is not None:
             self._forget_recipes(unneeded)
             return
-        if rec.resident:
+        if not rec.handles:
+            storage = None  # only its users may ask for it: frozen below
+        elif rec.resident:
             storage = rec.storage()
         elif rec.recomputable(rec.version):
             storage = self.materialize(rec, rec.version)
         else:  # freed, and its current version cannot be rebuilt; its
             storage = None  # users that read an older one still can
         if storage is not None:
-            rec.keepalive = storage  # pinned from here on
-            if rec.cand_index >= 0:
-                self._drop_candidate(rec)
+            # pinned until its last handle goes (release)
+            rec.keepalive = storage
+        if rec.cand_index >= 0:
+            self._drop_candidate(rec)
         for user in rec.live_users():
             if user.lo is not None:  # may rebuild from an older version
                 self._freeze(user)  # of rec: its range goes last
@@ -121,8 +125,7 @@ class Writes:
             if r.handles:
                 return None
             for user in r.live_users():
-                if user.lo is not None and user.keepalive is None \
-                        and id(user) not in seen:
+                if user.lo is not None and id(user) not in seen:
                     seen[id(user)] = user
                     stack.append(user)
         return list(seen.values())

@@ -80,6 +80,31 @@ def test_state_carried_through_one_long_scope_is_freed():
         assert sum(r() is not None for r in inputs) == 0
 
 
+def test_frozen_records_go_with_their_saved_tensors():
+    # MoCo's queue: a clone of it is saved, then the queue is written
+    # before backward, so the clone is frozen (R7); it was kept, and
+    # metered, until the scope ended
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    queue = torch.randn(64, 512)  # a buffer made before the scope
+    clones, in_use = [], []
+    with DTR(eviction_threshold='1GB', evictee_minimum_size=1) as engine:
+        for _ in range(4):
+            q = torch.randn(32, 64) @ w
+            neg = queue.clone()
+            clones.append(weakref.ref(neg.untyped_storage()))
+            loss = (q @ neg).logsumexp(1).mean()  # mm saves the clone
+            with torch.no_grad():
+                queue[:, :32] = q.T  # enqueue before backward
+            loss.backward()
+            w.grad = None
+            del q, neg, loss
+            gc.collect()
+            in_use.append(engine._state.in_use)
+        assert sum(r() is not None for r in clones) == 0
+    assert len(set(in_use)) == 1, in_use
+
+
 def test_model_built_in_scope_does_not_keep_every_step():
     # parameters allocated in scope are records; each optimizer step wrote
     # them with a replayable op and kept its gradient (R5)
