@@ -165,6 +165,15 @@ class Recipes:
 
     def _node(self, func, args, kwargs, out, scratch, rng, target):
         cost = op_cost(func, args, kwargs, out)
+        self.cut_carried = False
+        new_args, new_kwargs = self._refs(func, args, kwargs, scratch, target)
+        if self.cut_carried:  # an earlier argument's record lost its recipe
+            new_args, new_kwargs = self._refs(func, args, kwargs, scratch,
+                                              target)
+        return OpNode(func, new_args, new_kwargs, cost, rng)
+
+    def _refs(self, func, args, kwargs, scratch, target):
+        """The arguments of a call, tensors replaced by references."""
         if scratch:  # arguments written as a side effect get copies (R6)
             names = op_info(func).arg_names
             scratch_names = {names[i] for i in scratch}
@@ -183,7 +192,7 @@ class Recipes:
                 k: self._ref_arg(v, target)
                 for k, v in kwargs.items()
             }
-        return OpNode(func, new_args, new_kwargs, cost, rng)
+        return new_args, new_kwargs
 
     def _ref_arg(self, a, target):
         if isinstance(a, Tensor):
@@ -213,6 +222,9 @@ class Recipes:
         rec = self.records.get(cdata)
         if rec is not None:
             rec.last_access = self.clock
+            if rec.born < self.backward_clock != rec.carried_check \
+                    and rec.lo is not None:
+                self._cut_carried(rec)
             if rec.recomputable(rec.version):
                 return RecordRef(rec, rec.version, view_meta(t))
             return HeldRef(detached_alias(t), rec, rec.version)
@@ -224,6 +236,19 @@ class Recipes:
         # tensor's own is read through a weak reference (R13)
         return HeldRef(
             detached_alias(t), None, t._version, None, weakref.ref(t))
+
+    def _cut_carried(self, rec):
+        """``rec``, made before the latest backward, is read again: a state
+        carried across iterations (a running mean, a memory). If nothing can
+        ask to rebuild it or what its recipe reaches (no saved-tensor
+        handle), their recipes go: each iteration's recipe would otherwise
+        read the last one's, chaining every iteration's inputs together
+        (R10). Checked once per backward."""
+        rec.carried_check = self.backward_clock
+        unneeded = self._unneeded_from(rec)
+        if unneeded is not None:
+            self._forget_recipes(unneeded)
+            self.cut_carried = True
 
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""

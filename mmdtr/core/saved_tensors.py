@@ -127,6 +127,7 @@ class SavedTensors:
 
     def unpack(self, handle):
         if isinstance(handle, HeldSaved):
+            self.backward_clock = self.clock
             t = handle.tensor
             if t._version != handle.version:
                 raise _modified_error(

@@ -3,6 +3,7 @@ whether each iteration has its own scope or one scope spans them all
 (``dtr.enable()``)."""
 import gc
 import weakref
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -103,6 +104,64 @@ def test_frozen_records_go_with_their_saved_tensors():
             in_use.append(engine._state.in_use)
         assert sum(r() is not None for r in clones) == 0
     assert len(set(in_use)) == 1, in_use
+
+
+def test_state_carried_out_of_place_keeps_no_old_inputs():
+    # a running mean of the data, carried out of place in grad mode, its
+    # recipe reading no parameter an optimizer writes: each iteration's
+    # recipe read the last one's, and every batch stayed alive (R10)
+    def train(scope):
+        torch.manual_seed(0)
+        head = nn.Linear(64, 1)
+        opt = torch.optim.SGD(head.parameters(), lr=0.1)
+        batches = [torch.randn(16, 64) for _ in range(8)]
+        alive, centre, losses = [], torch.zeros(64), []
+        with scope:
+            for _ in range(8):
+                x = batches.pop(0)
+                alive.append(weakref.ref(x))
+                centre = centre * 0.9 + x.mean(0) * 0.1
+                loss = head(x - centre).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+                del x, loss
+                gc.collect()
+            # the last batch may stay: the latest centre's recipe reads it
+            kept = sum(r() is not None for r in alive)
+        return kept, losses, centre, [p.detach() for p in head.parameters()]
+
+    kept, *eager = train(nullcontext())
+    assert kept == 0
+    kept, *under_dtr = train(DTR(eviction_threshold=1, evictee_minimum_size=1))
+    assert kept <= 1
+    for a, b in zip(eager, under_dtr):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) \
+            if isinstance(a, list) else torch.equal(a, b)
+
+
+def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr):
+    # the recipe of x + a refers to x, then a's check drops the recipes of
+    # a and all that reads it, x's included: the recipe must hold x itself
+    # (it was left referring to a record that could not be rebuilt)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step():
+        w.grad = None
+        a = torch.randn(32, 32) * 1.0
+        x = a * 2.0
+        g = (x * w).sum()  # saves x: a handle
+        (torch.randn(32, 32) @ w).sum().backward()  # a, x now carried
+        x.cos()  # x checked: kept for its handle
+        del g  # the graph goes without a backward
+        y = (x + a) @ w  # x's reference first, then a's check
+        del x
+        torch.randn(64, 64).exp()  # evicts x + a
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
 
 
 def test_model_built_in_scope_does_not_keep_every_step():
