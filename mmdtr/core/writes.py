@@ -79,18 +79,38 @@ class Writes:
         """An input of ``rec`` is about to change for good (R7).
 
         A record something may still rebuild is kept resident while its
-        saved tensors live (its users are frozen too, so none of them reads
-        it again); one nothing can ask for any more is only made
-        unrecomputable, with all it reaches, without being rebuilt.
+        saved tensors live, and so are its users, which may rebuild from
+        an older version of it: each loses its recomputable range only
+        after all its users (depth first, without recursion: chains are
+        long, and an in-place write reading its own storage makes a cycle).
+        One nothing can ask for any more is only made unrecomputable, with
+        all it reaches, without being rebuilt.
         """
-        if rec.lo is None:  # unrecomputable already, or frozen
-            return
-        unneeded = self._unneeded_from(rec)
-        if unneeded is not None:
-            self._forget_recipes(unneeded)
-            return
+        stack, seen = [(rec, False)], set()
+        while stack:
+            rec, users_done = stack.pop()
+            if users_done:
+                rec.make_unrecomputable()
+                continue
+            if rec.lo is None or id(rec) in seen:  # unrecomputable or
+                continue  # frozen already, or being frozen
+            seen.add(id(rec))
+            unneeded = self._unneeded_from(rec)
+            if unneeded is not None:
+                self._forget_recipes(unneeded)
+                continue
+            self._pin_frozen(rec)
+            stack.append((rec, True))
+            stack.extend(
+                (user, False) for user in rec.live_users()
+                if user.lo is not None)
+
+    def _pin_frozen(self, rec):
+        """Keep ``rec`` resident while its saved tensors live (release
+        lets it go); a record without handles keeps nothing: only its
+        users may ask for it, and they are frozen too (R7)."""
         if not rec.handles:
-            storage = None  # only its users may ask for it: frozen below
+            storage = None
         elif rec.resident:
             storage = rec.storage()
         elif rec.recomputable(rec.version):
@@ -98,14 +118,9 @@ class Writes:
         else:  # freed, and its current version cannot be rebuilt; its
             storage = None  # users that read an older one still can
         if storage is not None:
-            # pinned until its last handle goes (release)
             rec.keepalive = storage
         if rec.cand_index >= 0:
             self._drop_candidate(rec)
-        for user in rec.live_users():
-            if user.lo is not None:  # may rebuild from an older version
-                self._freeze(user)  # of rec: its range goes last
-        rec.make_unrecomputable()
 
     def _forget_recipes(self, records):
         for rec in records:

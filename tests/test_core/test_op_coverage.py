@@ -195,6 +195,34 @@ class _PassThrough(torch.Tensor):
         return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
 
 
+@pytest.mark.parametrize('case', ['cycle', 'deep'])
+def test_freezing_cycles_and_long_chains(same_under_dtr, case):
+    # R7 freezes what reads a storage about to be written: an in-place
+    # write reading its own storage (logits.sub_(logits.max(...))) makes
+    # two records read each other, and a long chain is deeper than
+    # Python's stack; both raised RecursionError (review findings)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step(queue):
+        w.grad = None
+        q = torch.randn(32, 64) @ w
+        if case == 'cycle':
+            h = q @ queue.clone()
+            h.sub_(h.max(1, keepdim=True)[0].detach())
+            loss = h.logsumexp(1).mean()
+        else:
+            h = q[:, :8] * queue[:8, :32].T.clone()
+            for _ in range(1500):
+                h = h.sin()
+            loss = h.sum()
+        with torch.no_grad():
+            queue[:, :32] = q.T  # written before backward
+        loss.backward()
+        return [loss, w.grad]
+
+    same_under_dtr(step, setup=lambda: torch.ones(64, 512))
+
+
 def test_write_through_a_subclass_is_seen(same_under_dtr):
 
     def setup():

@@ -135,6 +135,27 @@ def test_write_through_a_rebuilt_saved_tensor_is_refused(
     refused_like_eager(step)
 
 
+def test_saved_byte_tensor_over_a_whole_rebuilt_storage(refused_like_eager):
+    # a 1-D uint8 tensor over a whole storage has the meta of the alias
+    # the engine keeps of a storage it rebuilt: it was handed out as it,
+    # and a write through it was not refused (review finding)
+    w = torch.randn(64, requires_grad=True)
+
+    def step():
+        m = (torch.rand(64) > 0.5).to(torch.uint8)
+        y = w * m  # saves m
+        z = w * m.float()  # saves m.float(), rebuilt from m
+        del m
+        torch.randn(256).mul(1.0)  # evicts
+        z.grad_fn._saved_other  # rebuilds m.float(), and m with it
+        saved = y.grad_fn._saved_other
+        saved.add_(1)
+        del saved
+        y.sum().backward()
+
+    refused_like_eager(step)
+
+
 def test_rebuilt_saved_tensor_read_before_backward(same_under_dtr):
     # reading it (no write) changes nothing: backward as in eager
     w = torch.randn(16, 16, requires_grad=True)
