@@ -159,11 +159,10 @@ class Replayer:
             rec.leave_evicted_class()
             rec.remat_count += 1
             self.recomputations += 1
-            if rec.handles:  # the engine's alias of the whole storage:
+            if rec.handles:  # the engine's alias of the whole storage,
                 # keyed apart from the saved views' metas (R10)
-                rec.views[None] = view_of(storage, (torch.uint8,
-                                                    (rec.nbytes, ), (1, ), 0),
-                                          rec.device)
+                whole = (torch.uint8, (rec.nbytes, ), (1, ), 0)
+                rec.views[None] = view_of(storage, whole, rec.device)
                 self._add_candidate(rec)
         return storage
 

@@ -101,9 +101,8 @@ class Writes:
                 continue
             self._pin_frozen(rec)
             stack.append((rec, True))
-            stack.extend(
-                (user, False) for user in rec.live_users()
-                if user.lo is not None)
+            stack.extend((user, False) for user in rec.live_users()
+                         if user.lo is not None)
 
     def _pin_frozen(self, rec):
         """Keep ``rec`` resident while its saved tensors live (release
