@@ -105,6 +105,7 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         self.clock = 0
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
         self.cut_carried = False  # a recipe being built lost an input's
+        self.reach_epoch = 0  # moves when a record loses its last handle
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0
         # the limit in force: raised above an unreachable threshold

@@ -167,7 +167,7 @@ class StorageRecord:
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
                  'cand_index', 'evicted_class', 'keepalive', 'alias_refs',
                  'born', 'recipe_nbytes', 'tensors', 'exit_versions',
-                 'carried_check', '__weakref__')
+                 'carried_check', 'reaches', '__weakref__')
 
     def __init__(self, nbytes, device, clock):
         self.nbytes = self.recipe_nbytes = nbytes
@@ -183,6 +183,7 @@ class StorageRecord:
         self.cost = 0.0
         self.last_access = self.born = clock
         self.carried_check = -1  # backward clock of the last carried check
+        self.reaches = -1  # reach epoch when a walk found it reaches a handle
         self.cand_index = -1
 
     @property

@@ -194,6 +194,7 @@ class SavedTensors:
     def release(self, rec):
         rec.handles -= 1
         if rec.handles == 0:
+            self.reach_epoch += 1  # what reached a handle may not (R7)
             rec.views.clear()
             rec.alias_refs = rec.keepalive = None  # frozen: no longer (R7)
             if rec.cand_index >= 0:

@@ -127,22 +127,34 @@ class Writes:
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
 
-    @staticmethod
-    def _unneeded_from(rec):
+    def _unneeded_from(self, rec):
         """``rec`` and the records whose recipes reach it, if none of them
         has a saved-tensor handle (so nothing can ask to rebuild any of
         them), else ``None``. Frozen and unrecomputable records end the
-        walk: what reads them never needs what is behind them."""
-        seen, stack = {id(rec): rec}, [rec]
+        walk: what reads them never needs what is behind them.
+
+        A walk that finds a handle marks the records on its path as
+        reaching one (``reaches``), which ends later walks there: without
+        it, N records of a chain read in turn walked it N times (R1). The
+        marks hold until a record's last handle goes (``reach_epoch``); one
+        left stale by a recipe dropped since only keeps more (R7, R10).
+        """
+        epoch = self.reach_epoch
+        parent, walked = {id(rec): None}, [rec]
+        stack = [rec]
         while stack:
             r = stack.pop()
-            if r.handles:
+            if r.handles or r.reaches == epoch:
+                while r is not None:  # the path to it reaches a handle
+                    r.reaches = epoch
+                    r = parent[id(r)]
                 return None
             for user in r.live_users():
-                if user.lo is not None and id(user) not in seen:
-                    seen[id(user)] = user
+                if user.lo is not None and id(user) not in parent:
+                    parent[id(user)] = r
+                    walked.append(user)
                     stack.append(user)
-        return list(seen.values())
+        return walked
 
     def _after_write(self, t, node, info):
         """Version ``t``'s storage after a write; ``node`` replays it

@@ -5,6 +5,7 @@ import gc
 import weakref
 from contextlib import nullcontext
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -162,6 +163,40 @@ def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr):
         return [w.grad]
 
     assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.mark.parametrize('case', ['read_after_backward', 'frozen'])
+def test_walks_over_a_chain_are_linear(monkeypatch, case):
+    # a chain of N records with one saved tensor at its end: reading all of
+    # them after a backward (carried-state checks, R10), or writing what
+    # they read (R7's freeze), walked the chain once per record, N^2 steps
+    # inside one op (review finding). Counted, not timed
+    from mmdtr.core.records import StorageRecord
+    visits = [0]
+    live_users = StorageRecord.live_users
+
+    def counted(rec):
+        visits[0] += 1
+        return live_users(rec)
+
+    n = 400
+    w = torch.randn(8, requires_grad=True)
+    queue = torch.ones(8)  # made before the scope
+    with DTR(eviction_threshold='1GB', evictee_minimum_size=1):
+        xs = [queue * 1.0 + w]
+        for _ in range(n):
+            xs.append(xs[-1] + 1.0)  # saves nothing
+        loss = (xs[-1] * w).sum()  # the one saved tensor
+        monkeypatch.setattr(StorageRecord, 'live_users', counted)
+        if case == 'read_after_backward':
+            w.sin().sum().backward()
+            torch.stack(xs)
+        else:
+            with torch.no_grad():
+                queue.add_(1.0)
+        monkeypatch.setattr(StorageRecord, 'live_users', live_users)
+        loss.backward()
+    assert visits[0] < 4 * n, visits
 
 
 def test_model_built_in_scope_does_not_keep_every_step():
