@@ -61,7 +61,7 @@ def _has_storage(t) -> bool:
     return True
 
 
-def _deterministic(determinism: str) -> bool:
+def _same_bits_on_replay(determinism: str) -> bool:
     """Whether an op gives the same bits when replayed (R4)."""
     return determinism == ALWAYS or (
         determinism == IN_DETERMINISTIC_MODE
@@ -212,7 +212,7 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info.fresh_returns)
         declared = writes[:n_declared]
-        replayable = info.replayable and _deterministic(
+        replayable = info.replayable and _same_bits_on_replay(
             info.cuda_determinism if self.cuda else info.cpu_determinism)
         target = self._mutation_target(declared, info.full_overwrite) \
             if declared else None

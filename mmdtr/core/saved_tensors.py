@@ -126,8 +126,8 @@ class SavedTensors:
         return SavedHandle(self, rec, key, ref, t)
 
     def unpack(self, handle):
+        self.backward_clock = self.clock
         if isinstance(handle, HeldSaved):
-            self.backward_clock = self.clock
             t = handle.tensor
             if t._version != handle.version:
                 raise _modified_error(
@@ -137,7 +137,7 @@ class SavedTensors:
             return handle
         rec = handle.record
         rec.last_access = self.clock
-        self.backward_clock = self.clock
+        handle.alias = handle.alias.latest()  # (R10)
         saved = handle.saved()
         if saved is not None:
             if saved._version != handle.version:
@@ -154,8 +154,7 @@ class SavedTensors:
                     'Write into the tensor (copy_) instead of replacing '
                     'its .data, or do it outside the DTR scope.')
         else:
-            ref = handle.alias = handle.alias.latest()
-            now = ref.version()
+            now = handle.alias.version()
             if now is not None and now != handle.alias_version:
                 raise _modified_error(handle.key[1], handle.alias_version, now)
         # writes that moved no counter of its (batch norm's statistics, an
@@ -185,7 +184,7 @@ class SavedTensors:
         it: its own counter, shifted onto the saved tensor's (R10)."""
         rec.views[handle.key] = t
         ref = _alias_ref(t, handle.alias_version - t._version)
-        handle.alias.latest().successor = ref
+        handle.alias.successor = ref  # the latest, set by unpack
         handle.alias = ref
         if rec.alias_refs is None:
             rec.alias_refs = {}
