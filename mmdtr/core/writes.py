@@ -8,7 +8,7 @@ import torch
 
 from .cost_model import tensor_bytes
 from .op_semantics import get_arg
-from .recipes import AllocNode, SelfRef
+from .recipes import AllocNode, HeldRef, SelfRef
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is
@@ -43,6 +43,15 @@ def bump_like_eager(written, versions) -> None:
     if all(t._version == v for t, v in zip(written, versions)):
         for t in written:
             torch.autograd.graph.increment_version(t)
+
+
+def _holds_scope_storage(node) -> bool:
+    """Whether the write ``node`` holds a storage allocated in scope that
+    has no recipe at the version it read (``HeldRef.record``: made under
+    ``no_grad``, by backward, by a write that cannot be replayed): logged,
+    it would keep that storage alive as long as the one it writes (R5)."""
+    return any(
+        type(ref) is HeldRef and ref.record is not None for ref in node.refs())
 
 
 def _reads_only_self(node) -> bool:
@@ -168,6 +177,8 @@ class Writes:
             # meter follows (R11); no recipe rebuilds the new size (R5)
             self._resized(rec, storage.nbytes())
             node = None
+        elif node is not None and _holds_scope_storage(node):
+            node = None  # not logged: caps hi (R5)
         if node is not None and rec.lo is None and info.full_overwrite \
                 and t.is_contiguous() and t.storage_offset() == 0 \
                 and tensor_bytes(t) == rec.nbytes and _reads_only_self(node):

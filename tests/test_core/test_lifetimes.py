@@ -300,3 +300,84 @@ def test_activation_written_many_times_in_its_forward_stays_evictable(
         return [w.grad]
 
     assert same_under_dtr(step).recomputations > 0
+
+
+def test_accumulator_zeroed_in_scope_keeps_no_addend():
+    # a metric summed under no_grad in a scope without backward: zero_()
+    # made the buffer rebuildable, and each add_ was logged holding its
+    # addend (made in scope, no recipe): every batch's feature stayed alive
+    feats = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        with torch.no_grad():
+            acc = torch.empty(4096)
+            acc.zero_()
+            for _ in range(20):
+                feat = torch.randn(4096)
+                feats.append(weakref.ref(feat.untyped_storage()))
+                acc.add_(feat)
+                del feat
+        gc.collect()
+        assert engine._state.in_use == acc.untyped_storage().nbytes()
+    assert all(r() is None for r in feats)
+
+
+def test_gradients_zeroed_in_place_keep_no_incoming_gradient():
+    # zero_grad(set_to_none=False) in one long scope: each accumulation
+    # into .grad was logged holding the incoming gradient (a backward
+    # output), so several copies of the gradients stayed resident
+    torch.manual_seed(0)
+    net = nn.Linear(64, 64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(4, 64)
+    grad_bytes = sum(p.untyped_storage().nbytes() for p in net.parameters())
+    in_use = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        for _ in range(6):
+            opt.zero_grad(set_to_none=False)
+            for _ in range(3):  # micro-batches
+                net(x).square().mean().backward()
+            opt.step()
+            gc.collect()
+            in_use.append(engine._state.in_use)
+    assert in_use == [grad_bytes] * 6, (in_use, grad_bytes)
+
+
+def test_buffer_copied_over_keeps_no_source():
+    # torch.optim.LBFGS's prev_flat_grad.copy_(flat_grad): each copy_ was
+    # logged holding its source
+    sources = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        with torch.no_grad():
+            prev = torch.zeros(4096)
+        for _ in range(12):
+            with torch.no_grad():
+                new = torch.randn(4096)
+            sources.append(weakref.ref(new.untyped_storage()))
+            prev.copy_(new)
+            del new
+        gc.collect()
+        assert engine._state.in_use == prev.untyped_storage().nbytes()
+    assert all(r() is None for r in sources)
+
+
+def test_activation_written_with_unrecorded_input_is_exact(same_under_dtr):
+    # the write reads a mask made under no_grad (no recipe): not logged, so
+    # the activation's current version is kept, and what it reads rebuilds
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+
+    def forward():
+        g = (x @ w).tanh() * 2.0  # tanh saves its output
+        with torch.no_grad():
+            mask = (torch.rand(32, 64) > 0.5).float()
+        g.mul_(mask)
+        return g.sin()  # saves g after the write
+
+    def step():
+        w.grad = None
+        y = forward()
+        torch.randn(256, 256).exp()  # evicts at the smallest threshold
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
