@@ -10,12 +10,14 @@ from .cost_model import tensor_bytes
 from .op_semantics import get_arg
 from .recipes import AllocNode, HeldRef, SelfRef
 
-#: The mutation log of a storage made before the latest backward stops
-#: growing here once nothing can ask for its older versions: the record is
-#: made unrecomputable instead (kept while alive). A tensor carried across
-#: the iterations of one long scope and written in place each time (an EMA
-#: centre, an RNN state) would otherwise keep every iteration's inputs
-#: (R5). Activations of the running forward are never capped.
+#: The mutation log of a storage made before the latest backward, or one
+#: whose next write reads another tensor, stops growing here once nothing
+#: can ask for its older versions: the record is made unrecomputable
+#: instead (kept while alive). A tensor carried across the iterations of
+#: one long scope and written in place each time (an EMA centre, an RNN
+#: state, a sum of outputs in a scope without backward) would otherwise
+#: keep every iteration's inputs (R5). An activation of the running forward
+#: written with scalars only (``h.mul_(0.5)``) is never capped.
 MAX_MUTATIONS = 8
 
 
@@ -52,6 +54,12 @@ def _holds_scope_storage(node) -> bool:
     it would keep that storage alive as long as the one it writes (R5)."""
     return any(
         type(ref) is HeldRef and ref.record is not None for ref in node.refs())
+
+
+def _reads_other_storage(node) -> bool:
+    """Whether the write ``node`` reads a tensor other than the one it
+    writes (whose recipe, logged, stays alive with the log)."""
+    return any(type(ref) is not SelfRef for ref in node.refs())
 
 
 def _reads_only_self(node) -> bool:
@@ -188,8 +196,9 @@ class Writes:
             rec.cost, rec.recipe_nbytes = 1.0, rec.nbytes
         rec.version += 1
         if node is not None and rec.recomputable(rec.version - 1):
-            if len(rec.mutations) >= MAX_MUTATIONS \
-                    and rec.born < self.backward_clock:
+            if len(rec.mutations) >= MAX_MUTATIONS and (
+                    rec.born < self.backward_clock
+                    or _reads_other_storage(node)):
                 unneeded = self._unneeded_from(rec)
                 if unneeded is not None:  # a state carried across
                     self._forget_recipes(unneeded)  # iterations (R5)

@@ -1,0 +1,160 @@
+"""Mutation logs (R5): the in-place writes logged to rebuild a storage do
+not keep what they read alive for longer than something can ask for it."""
+import gc
+import weakref
+
+import torch
+import torch.nn as nn
+
+from mmdtr.dtr import DTR
+
+
+def test_state_overwritten_each_iteration_stays_bounded():
+    # truncated backpropagation through time: the state is copied over at
+    # the end of each iteration; each copy_ kept that iteration's last
+    # hidden state (R5). At most MAX_MUTATIONS of them are kept now.
+    from mmdtr.core.writes import MAX_MUTATIONS
+    torch.manual_seed(0)
+    cell, head = nn.GRUCell(16, 16), nn.Linear(16, 1)
+    opt = torch.optim.SGD([*cell.parameters(), *head.parameters()], lr=0.01)
+    finals, alive = [], []
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1):
+        state = torch.zeros(4, 16) * 1.0
+        for _ in range(3 * MAX_MUTATIONS):
+            x = torch.randn(4, 5, 16)
+            h = state.clone()
+            for t in range(5):
+                h = cell(x[:, t], h)
+            loss = head(h).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            finals.append(weakref.ref(h.untyped_storage()))
+            state.copy_(h.detach())
+            del x, h, loss
+            gc.collect()
+            alive.append(sum(r() is not None for r in finals))
+    assert max(alive) <= MAX_MUTATIONS, alive
+
+
+def test_activation_written_many_times_in_its_forward_stays_evictable(
+        same_under_dtr):
+    # the cap on mutation logs is for state carried across iterations: an
+    # activation of the running forward written more than MAX_MUTATIONS
+    # times before its save was kept resident, saving nothing
+    from mmdtr.core.writes import MAX_MUTATIONS
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def forward():
+        h = x @ w
+        for _ in range(MAX_MUTATIONS + 4):
+            h.mul_(1.01).add_(0.1)
+        return h.sin()  # saves h, the only storage backward needs
+
+    def step():
+        w.grad = None
+        y = forward()
+        torch.randn(64, 64).exp()  # evicts h at the smallest threshold
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_accumulator_zeroed_in_scope_keeps_no_addend():
+    # a metric summed under no_grad in a scope without backward: zero_()
+    # made the buffer rebuildable, and each add_ was logged holding its
+    # addend (made in scope, no recipe): every batch's feature stayed alive
+    feats = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        with torch.no_grad():
+            acc = torch.empty(4096)
+            acc.zero_()
+            for _ in range(20):
+                feat = torch.randn(4096)
+                feats.append(weakref.ref(feat.untyped_storage()))
+                acc.add_(feat)
+                del feat
+        gc.collect()
+        assert engine._state.in_use == acc.untyped_storage().nbytes()
+    assert all(r() is None for r in feats)
+
+
+def test_gradients_zeroed_in_place_keep_no_incoming_gradient():
+    # zero_grad(set_to_none=False) in one long scope: each accumulation
+    # into .grad was logged holding the incoming gradient (a backward
+    # output), so several copies of the gradients stayed resident
+    torch.manual_seed(0)
+    net = nn.Linear(64, 64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(4, 64)
+    grad_bytes = sum(p.untyped_storage().nbytes() for p in net.parameters())
+    in_use = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        for _ in range(6):
+            opt.zero_grad(set_to_none=False)
+            for _ in range(3):  # micro-batches
+                net(x).square().mean().backward()
+            opt.step()
+            gc.collect()
+            in_use.append(engine._state.in_use)
+    assert in_use == [grad_bytes] * 6, (in_use, grad_bytes)
+
+
+def test_buffer_copied_over_keeps_no_source():
+    # torch.optim.LBFGS's prev_flat_grad.copy_(flat_grad): each copy_ was
+    # logged holding its source
+    sources = []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        with torch.no_grad():
+            prev = torch.zeros(4096)
+        for _ in range(12):
+            with torch.no_grad():
+                new = torch.randn(4096)
+            sources.append(weakref.ref(new.untyped_storage()))
+            prev.copy_(new)
+            del new
+        gc.collect()
+        assert engine._state.in_use == prev.untyped_storage().nbytes()
+    assert all(r() is None for r in sources)
+
+
+def test_activation_written_with_unrecorded_input_is_exact(same_under_dtr):
+    # the write reads a mask made under no_grad (no recipe): not logged, so
+    # the activation's current version is kept, and what it reads rebuilds
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+
+    def forward():
+        g = (x @ w).tanh() * 2.0  # tanh saves its output
+        with torch.no_grad():
+            mask = (torch.rand(32, 64) > 0.5).float()
+        g.mul_(mask)
+        return g.sin()  # saves g after the write
+
+    def step():
+        w.grad = None
+        y = forward()
+        torch.randn(256, 256).exp()  # evicts at the smallest threshold
+        y.sum().backward()
+        return [w.grad]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
+def test_outputs_summed_in_a_scope_without_backward_are_freed():
+    # grad mode, no backward: each add_ was logged, its entry reading that
+    # step's output, whose recipe holds the batch: every batch stayed alive
+    from mmdtr.core.writes import MAX_MUTATIONS
+    torch.manual_seed(0)
+    net = nn.Linear(64, 64)
+    batches = [torch.randn(16, 64) for _ in range(3 * MAX_MUTATIONS)]
+    refs = [weakref.ref(b.untyped_storage()) for b in batches]
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        acc = net(batches.pop(0)).detach().clone()
+        while batches:
+            acc.add_(net(batches.pop(0)).detach())
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+    assert alive <= MAX_MUTATIONS, alive
