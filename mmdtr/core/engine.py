@@ -18,7 +18,7 @@ from .eviction import Evictor
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
                            batch_norm_in_training, get_arg, op_info)
 from .recipes import AllocNode, Recipes
-from .records import _PLAIN, StorageRecord, StorageRef, managed
+from .records import _PLAIN, StorageRecord, StorageRef, WeakList, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
@@ -106,6 +106,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
         self.cut_carried = False  # a recipe being built lost an input's
         self.reach_epoch = 0  # moves when a record loses its last handle
+        # records given a recipe since the last sweep, and those it kept
+        self.unswept = WeakList()
+        self.swept_epoch, self.sweep_at = 0, 0  # (R10)
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0
         # the limit in force: raised above an unreachable threshold
@@ -192,6 +195,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
+        if self.reach_epoch != self.swept_epoch \
+                and self.clock >= self.sweep_at:
+            self._sweep()  # saved tensors were released (R10)
         info = op_info(func)
         if info.swaps_storage:
             return self._run_set(func, args, kwargs, info)
@@ -231,6 +237,7 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
                     rec.creator, rec.out_index, rec.lo = node, i, 0
                     rec.cost = node.cost
                     self._link(rec, node)
+                    self.unswept.add(rec)
         # a node replays one written storage (SelfRef); an op writing two
         # or more (out=(values, indices)) cannot rebuild either (R5)
         mutation = node if replayable and (len(declared) < 2 or len(

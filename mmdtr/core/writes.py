@@ -10,14 +10,12 @@ from .cost_model import tensor_bytes
 from .op_semantics import get_arg
 from .recipes import AllocNode, HeldRef, SelfRef
 
-#: The mutation log of a storage made before the latest backward, or one
-#: whose next write reads another tensor, stops growing here once nothing
-#: can ask for its older versions: the record is made unrecomputable
-#: instead (kept while alive). A tensor carried across the iterations of
-#: one long scope and written in place each time (an EMA centre, an RNN
-#: state, a sum of outputs in a scope without backward) would otherwise
-#: keep every iteration's inputs (R5). An activation of the running forward
-#: written with scalars only (``h.mul_(0.5)``) is never capped.
+#: The mutation log of a storage made before the latest backward stops
+#: growing here once nothing can ask for its older versions: the record is
+#: made unrecomputable instead (kept while alive). A tensor carried across
+#: the iterations of one long scope and written in place each time (an EMA
+#: centre, an RNN state) would otherwise keep every iteration's inputs
+#: (R5). Activations of the running forward are never capped.
 MAX_MUTATIONS = 8
 
 
@@ -47,19 +45,14 @@ def bump_like_eager(written, versions) -> None:
             torch.autograd.graph.increment_version(t)
 
 
-def _holds_scope_storage(node) -> bool:
-    """Whether the write ``node`` holds a storage allocated in scope that
-    has no recipe at the version it read (``HeldRef.record``: made under
-    ``no_grad``, by backward, by a write that cannot be replayed): logged,
-    it would keep that storage alive as long as the one it writes (R5)."""
+def _holds_younger_storage(node, born) -> bool:
+    """Whether the write ``node`` holds a storage allocated in scope after
+    ``born`` that has no recipe at the version it read (``HeldRef.record``:
+    made under ``no_grad``, by backward, ...): logged, it would keep that
+    storage alive as long as the older one it writes (R5)."""
     return any(
-        type(ref) is HeldRef and ref.record is not None for ref in node.refs())
-
-
-def _reads_other_storage(node) -> bool:
-    """Whether the write ``node`` reads a tensor other than the one it
-    writes (whose recipe, logged, stays alive with the log)."""
-    return any(type(ref) is not SelfRef for ref in node.refs())
+        type(ref) is HeldRef and ref.record is not None
+        and ref.record.born > born for ref in node.refs())
 
 
 def _reads_only_self(node) -> bool:
@@ -185,7 +178,8 @@ class Writes:
             # meter follows (R11); no recipe rebuilds the new size (R5)
             self._resized(rec, storage.nbytes())
             node = None
-        elif node is not None and _holds_scope_storage(node):
+        elif node is not None and (rec.lo is None or rec.recomputable(
+                rec.version)) and _holds_younger_storage(node, rec.born):
             node = None  # not logged: caps hi (R5)
         if node is not None and rec.lo is None and info.full_overwrite \
                 and t.is_contiguous() and t.storage_offset() == 0 \
@@ -194,11 +188,11 @@ class Writes:
             rec.creator = AllocNode(rec.nbytes, rec.device)
             rec.base, rec.mutations, rec.lo = rec.version, (), rec.version
             rec.cost, rec.recipe_nbytes = 1.0, rec.nbytes
+            self.unswept.add(rec)
         rec.version += 1
         if node is not None and rec.recomputable(rec.version - 1):
-            if len(rec.mutations) >= MAX_MUTATIONS and (
-                    rec.born < self.backward_clock
-                    or _reads_other_storage(node)):
+            if len(rec.mutations) >= MAX_MUTATIONS \
+                    and rec.born < self.backward_clock:
                 unneeded = self._unneeded_from(rec)
                 if unneeded is not None:  # a state carried across
                     self._forget_recipes(unneeded)  # iterations (R5)

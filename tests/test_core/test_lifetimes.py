@@ -247,3 +247,50 @@ def test_state_written_in_place_each_iteration_keeps_no_inputs():
             del x, h, feat, loss
             gc.collect()
         assert sum(r() is not None for r in inputs) <= 1
+
+
+def _mlp():
+    torch.manual_seed(0)  # its ReLU saves a recorded storage: a handle
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+@pytest.mark.parametrize('keep', ['sum_in_place', 'total', 'list'])
+def test_kept_outputs_without_backward_hold_no_batch(keep):
+    # one long scope, grad mode, no backward: a sum or list of detached
+    # outputs kept every iteration's recipe, each holding its batch (made
+    # under no_grad); the sweep after the graph's release drops them (R10)
+    net = _mlp()
+    refs, kept = [], []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        for _ in range(12):
+            with torch.no_grad():
+                b = torch.randn(16, 64)
+            refs.append(weakref.ref(b.untyped_storage()))
+            out = net(b).detach()
+            if keep == 'list':
+                kept.append(out.clone())
+            elif not kept:
+                kept.append(out.clone())
+            elif keep == 'sum_in_place':
+                kept[0].add_(out)
+            else:
+                kept[0] = kept[0] + out
+            del b, out
+        gc.collect()
+        assert sum(r() is not None for r in refs) <= 1
+
+
+def test_saliency_maps_hold_no_gradient():
+    # autograd.grad each iteration, no optimizer: a summary of the input's
+    # gradient kept the whole gradient through its recipe (R10)
+    net = _mlp()
+    refs, kept = [], []
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        for _ in range(12):
+            x = torch.randn(16, 64, requires_grad=True)
+            (g, ) = torch.autograd.grad(net(x).max(1).values.sum(), x)
+            refs.append(weakref.ref(g.untyped_storage()))
+            kept.append(g.abs().amax(1))
+            del x, g
+        gc.collect()
+        assert sum(r() is not None for r in refs) <= 1
