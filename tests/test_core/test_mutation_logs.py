@@ -2,7 +2,9 @@
 not keep what they read alive for longer than something can ask for it."""
 import gc
 import weakref
+from contextlib import nullcontext
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -62,23 +64,28 @@ def test_activation_written_many_times_in_its_forward_stays_evictable(
     assert same_under_dtr(step).recomputations > 0
 
 
-def test_accumulator_zeroed_in_scope_keeps_no_addend():
-    # a metric summed under no_grad in a scope without backward: zero_()
-    # made the buffer rebuildable, and each add_ was logged holding its
-    # addend (made in scope, no recipe): every batch's feature stayed alive
-    feats = []
+@pytest.mark.parametrize('write', ['add_', 'copy_'])
+def test_buffer_written_in_place_keeps_no_source(write):
+    # a metric summed under no_grad into a buffer zero_() made rebuildable,
+    # and torch.optim.LBFGS's prev_flat_grad.copy_(flat_grad): each write
+    # was logged holding its source (made in scope without a recipe), so
+    # every step's source stayed alive, without bound without a backward
+    sources = []
     with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
         with torch.no_grad():
-            acc = torch.empty(4096)
-            acc.zero_()
-            for _ in range(20):
-                feat = torch.randn(4096)
-                feats.append(weakref.ref(feat.untyped_storage()))
-                acc.add_(feat)
-                del feat
+            buf = torch.zeros(4096) if write == 'copy_' else torch.empty(4096)
+            if write == 'add_':
+                buf.zero_()
+        for _ in range(12):
+            with torch.no_grad():
+                new = torch.randn(4096)
+            sources.append(weakref.ref(new.untyped_storage()))
+            with torch.no_grad() if write == 'add_' else nullcontext():
+                getattr(buf, write)(new)
+            del new
         gc.collect()
-        assert engine._state.in_use == acc.untyped_storage().nbytes()
-    assert all(r() is None for r in feats)
+        assert engine._state.in_use == buf.untyped_storage().nbytes()
+    assert all(r() is None for r in sources)
 
 
 def test_gradients_zeroed_in_place_keep_no_incoming_gradient():
@@ -100,24 +107,6 @@ def test_gradients_zeroed_in_place_keep_no_incoming_gradient():
             gc.collect()
             in_use.append(engine._state.in_use)
     assert in_use == [grad_bytes] * 6, (in_use, grad_bytes)
-
-
-def test_buffer_copied_over_keeps_no_source():
-    # torch.optim.LBFGS's prev_flat_grad.copy_(flat_grad): each copy_ was
-    # logged holding its source
-    sources = []
-    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
-        with torch.no_grad():
-            prev = torch.zeros(4096)
-        for _ in range(12):
-            with torch.no_grad():
-                new = torch.randn(4096)
-            sources.append(weakref.ref(new.untyped_storage()))
-            prev.copy_(new)
-            del new
-        gc.collect()
-        assert engine._state.in_use == prev.untyped_storage().nbytes()
-    assert all(r() is None for r in sources)
 
 
 def test_activation_written_with_unrecorded_input_is_exact(same_under_dtr):
