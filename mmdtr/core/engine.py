@@ -106,8 +106,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
         self.cut_carried = False  # a recipe being built lost an input's
         self.reach_epoch = 0  # moves when a record loses its last handle
-        # records given a recipe since the last sweep, and those it kept
-        self.unswept = WeakList()
+        # records given a recipe since the last sweep; those to check at
+        # the next one whatever their age
+        self.unswept, self.sweep_next = WeakList(), WeakList()
         self.swept_epoch, self.sweep_at = 0, 0  # (R10)
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0

@@ -256,23 +256,32 @@ class Recipes:
         handle can reach lose their recipes, with those of the records
         reading them. Kept across the iterations of one long scope (a list
         of detached outputs, a total carried out of place), their recipes
-        would hold every iteration's inputs (R10). Each record is checked
-        at the first sweep after its recipe, and again at later sweeps
-        while a handle still reaches it; a sweep of N records runs N ops
-        after the last at the earliest, so sweeping costs O(1) per op
-        amortized (R1)."""
+        would hold every iteration's inputs (R10). A record made since the
+        latest backward is checked one sweep later than one made before
+        it: a graph dropped mid-forward (an auxiliary loss read with
+        ``.item()``) sweeps too, and the running forward's activations not
+        saved yet must keep their recipes. A record a handle still reaches
+        is checked again at the next sweep; a sweep runs as many ops after
+        the last as it left records to check, at the earliest, so
+        sweeping costs O(1) per op amortized, walks aside (R1)."""
         self.swept_epoch = self.reach_epoch
-        kept = WeakList()
+        later = WeakList()
+        check = self.sweep_next.live()
         for rec in self.unswept.live():
+            if rec.born < self.backward_clock:
+                check.append(rec)
+            else:
+                later.add(rec)
+        for rec in check:
             if rec.lo is None:
                 continue  # unrecomputable already
             unneeded = self._unneeded_from(rec)
             if unneeded is None:
-                kept.add(rec)
+                later.add(rec)
             else:
                 self._forget_recipes(unneeded)
-        self.unswept = kept
-        self.sweep_at = self.clock + len(kept)
+        self.unswept, self.sweep_next = WeakList(), later
+        self.sweep_at = self.clock + len(later)
 
     def _link(self, rec, node):
         """Record ``rec`` as a user of every storage ``node`` reads."""

@@ -277,7 +277,7 @@ def test_kept_outputs_without_backward_hold_no_batch(keep):
                 kept[0] = kept[0] + out
             del b, out
         gc.collect()
-        assert sum(r() is not None for r in refs) <= 1
+        assert sum(r() is not None for r in refs) <= 2  # the latest two
 
 
 def test_saliency_maps_hold_no_gradient():
@@ -293,4 +293,31 @@ def test_saliency_maps_hold_no_gradient():
             kept.append(g.abs().amax(1))
             del x, g
         gc.collect()
-        assert sum(r() is not None for r in refs) <= 1
+        assert sum(r() is not None for r in refs) <= 2  # the latest two
+
+
+def test_auxiliary_loss_read_mid_forward_keeps_no_skip():
+    # a graph dropped mid-forward (an auxiliary loss read with .item())
+    # sweeps: the skips, made by ops that save nothing, lost their recipes,
+    # and the later cat's recipe held them through backward (R10)
+    torch.manual_seed(0)
+    e1, e2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+    d1, aux = nn.Conv2d(16, 8, 3, padding=1), nn.Linear(8, 4)
+    x = torch.randn(4, 3, 16, 16)
+
+    def forward(with_aux):
+        a = e1(x).relu()
+        skip = a * 0.5  # saves nothing
+        b = e2(a).relu()
+        if with_aux:
+            aux(b.mean((2, 3))).square().mean().item()
+        return d1(torch.cat([b, skip], 1)).square().mean()
+
+    def peak(with_aux):
+        with DTR(eviction_threshold='1GB', evictee_minimum_size=1) as engine:
+            for _ in range(2):
+                forward(with_aux).backward()
+        return engine.stats.peak_memory
+
+    skip_bytes = 4 * 8 * 16 * 16 * 4
+    assert peak(True) < peak(False) + skip_bytes, (peak(True), peak(False))
