@@ -4,6 +4,8 @@ The write half of :class:`~mmdtr.core.engine.EngineState` (one state object
 per engine; this mixin only groups its methods). Rules R5 and R7 of
 docs/design.md.
 """
+from collections import deque
+
 import torch
 
 from .cost_model import tensor_bytes
@@ -147,23 +149,29 @@ class Writes:
         reaching one (``reaches``), which ends later walks there: without
         it, N records of a chain read in turn walked it N times (R1). The
         marks hold until a record's last handle goes (``reach_epoch``); one
-        left stale by a recipe dropped since only keeps more (R7, R10).
+        left stale by a recipe dropped since only keeps more (R7, R10). The
+        walk goes breadth first, looking at a record's users as it queues
+        them, so a handle a few steps away is found before a long chain
+        beside it is walked (R10's sweep walks from many records).
         """
         epoch = self.reach_epoch
+        if rec.handles or rec.reaches == epoch:
+            rec.reaches = epoch
+            return None
         parent, walked = {id(rec): None}, [rec]
-        stack = [rec]
-        while stack:
-            r = stack.pop()
-            if r.handles or r.reaches == epoch:
-                while r is not None:  # the path to it reaches a handle
-                    r.reaches = epoch
-                    r = parent[id(r)]
-                return None
+        queue = deque([rec])
+        while queue:
+            r = queue.popleft()
             for user in r.live_users():
                 if user.lo is not None and id(user) not in parent:
                     parent[id(user)] = r
+                    if user.handles or user.reaches == epoch:
+                        while user is not None:  # its path reaches one
+                            user.reaches = epoch
+                            user = parent[id(user)]
+                        return None
                     walked.append(user)
-                    stack.append(user)
+                    queue.append(user)
         return walked
 
     def _after_write(self, t, node, info):

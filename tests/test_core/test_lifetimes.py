@@ -199,6 +199,37 @@ def test_walks_over_a_chain_are_linear(monkeypatch, case):
     assert visits[0] < 4 * n, visits
 
 
+def test_sweep_walks_are_linear(monkeypatch):
+    # N records, each saved a step or two away, all also read into one
+    # chain of N ops that save nothing: a depth-first walk from each went
+    # down the chain before finding its handle, N^2 steps per sweep (R10;
+    # review finding, 2000: 1.4 s). Counted, not timed
+    from mmdtr.core.records import StorageRecord
+    visits = [0]
+    live_users = StorageRecord.live_users
+
+    def counted(rec):
+        visits[0] += 1
+        return live_users(rec)
+
+    n = 300
+    with DTR(eviction_threshold='1GB', evictee_minimum_size=1) as engine:
+        w = torch.randn(4, requires_grad=True)
+        xs = [w * i for i in range(n)]
+        saved = [(x * 1.5).exp() for x in xs]  # a handle two steps away
+        c = torch.stack(xs).sum(0)
+        for _ in range(n):
+            c = c + 1.0
+        monkeypatch.setattr(StorageRecord, 'live_users', counted)
+        for _ in range(2):  # a record made since backward: second sweep
+            (w * 2).exp()  # a graph dropped: a sweep at the next op
+            engine._state.sweep_at = 0
+            torch.zeros(1)
+        monkeypatch.setattr(StorageRecord, 'live_users', live_users)
+        del saved
+    assert visits[0] < 20 * n, visits
+
+
 def test_model_built_in_scope_does_not_keep_every_step():
     # parameters allocated in scope are records; each optimizer step wrote
     # them with a replayable op and kept its gradient (R5)
