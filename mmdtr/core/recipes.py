@@ -245,9 +245,7 @@ class Recipes:
         read the last one's, chaining every iteration's inputs together
         (R10). Checked once per backward."""
         rec.carried_check = self.backward_clock
-        unneeded = self._unneeded_from(rec)
-        if unneeded is not None:
-            self._forget_recipes(unneeded)
+        if self._forget_if_unneeded(rec):
             self.cut_carried = True
 
     def _sweep(self):
@@ -275,11 +273,8 @@ class Recipes:
         for rec in check:
             if rec.lo is None:
                 continue  # unrecomputable already
-            unneeded = self._unneeded_from(rec)
-            if unneeded is None:
+            if not self._forget_if_unneeded(rec):
                 later.add(rec)
-            else:
-                self._forget_recipes(unneeded)
         self.unswept, self.sweep_next = WeakList(), later
         self.sweep_at = self.clock + len(later)
 

@@ -107,9 +107,7 @@ class Writes:
             if rec.lo is None or id(rec) in seen:  # unrecomputable or
                 continue  # frozen already, or being frozen
             seen.add(id(rec))
-            unneeded = self._unneeded_from(rec)
-            if unneeded is not None:
-                self._forget_recipes(unneeded)
+            if self._forget_if_unneeded(rec):
                 continue
             self._pin_frozen(rec)
             stack.append((rec, True))
@@ -133,11 +131,18 @@ class Writes:
         if rec.cand_index >= 0:
             self._drop_candidate(rec)
 
-    def _forget_recipes(self, records):
-        for rec in records:
-            rec.make_unrecomputable()
-            if rec.cand_index >= 0:
-                self._drop_candidate(rec)
+    def _forget_if_unneeded(self, rec) -> bool:
+        """Drop the recipes of ``rec`` and of the records reading it if no
+        saved-tensor handle can ask for any of them (``_unneeded_from``);
+        whether it did (R5, R7, R10)."""
+        unneeded = self._unneeded_from(rec)
+        if unneeded is None:
+            return False
+        for r in unneeded:
+            r.make_unrecomputable()
+            if r.cand_index >= 0:
+                self._drop_candidate(r)
+        return True
 
     def _unneeded_from(self, rec):
         """``rec`` and the records whose recipes reach it, if none of them
@@ -201,10 +206,8 @@ class Writes:
         if node is not None and rec.recomputable(rec.version - 1):
             if len(rec.mutations) >= MAX_MUTATIONS \
                     and rec.born < self.backward_clock:
-                unneeded = self._unneeded_from(rec)
-                if unneeded is not None:  # a state carried across
-                    self._forget_recipes(unneeded)  # iterations (R5)
-                    return
+                if self._forget_if_unneeded(rec):  # a state carried
+                    return  # across iterations (R5)
             if rec.mutations:
                 rec.mutations.append(node)
             else:

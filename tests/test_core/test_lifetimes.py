@@ -3,7 +3,7 @@ whether each iteration has its own scope or one scope spans them all
 (``dtr.enable()``)."""
 import gc
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -165,20 +165,34 @@ def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr):
     assert same_under_dtr(step).recomputations > 0
 
 
+@pytest.fixture
+def walk_steps(monkeypatch):
+    """A context manager counting, in a list of one, the records whose
+    users the engine's walks look up inside it (R1: counted, not timed)."""
+    from mmdtr.core.records import StorageRecord
+    live_users, steps = StorageRecord.live_users, [0]
+
+    def counted(rec):
+        steps[0] += 1
+        return live_users(rec)
+
+    @contextmanager
+    def counting():
+        monkeypatch.setattr(StorageRecord, 'live_users', counted)
+        try:
+            yield steps
+        finally:
+            monkeypatch.setattr(StorageRecord, 'live_users', live_users)
+
+    return counting
+
+
 @pytest.mark.parametrize('case', ['read_after_backward', 'frozen'])
-def test_walks_over_a_chain_are_linear(monkeypatch, case):
+def test_walks_over_a_chain_are_linear(walk_steps, case):
     # a chain of N records with one saved tensor at its end: reading all of
     # them after a backward (carried-state checks, R10), or writing what
     # they read (R7's freeze), walked the chain once per record, N^2 steps
     # inside one op (review finding). Counted, not timed
-    from mmdtr.core.records import StorageRecord
-    visits = [0]
-    live_users = StorageRecord.live_users
-
-    def counted(rec):
-        visits[0] += 1
-        return live_users(rec)
-
     n = 400
     w = torch.randn(8, requires_grad=True)
     queue = torch.ones(8)  # made before the scope
@@ -187,31 +201,22 @@ def test_walks_over_a_chain_are_linear(monkeypatch, case):
         for _ in range(n):
             xs.append(xs[-1] + 1.0)  # saves nothing
         loss = (xs[-1] * w).sum()  # the one saved tensor
-        monkeypatch.setattr(StorageRecord, 'live_users', counted)
-        if case == 'read_after_backward':
-            w.sin().sum().backward()
-            torch.stack(xs)
-        else:
-            with torch.no_grad():
-                queue.add_(1.0)
-        monkeypatch.setattr(StorageRecord, 'live_users', live_users)
+        with walk_steps() as steps:
+            if case == 'read_after_backward':
+                w.sin().sum().backward()
+                torch.stack(xs)
+            else:
+                with torch.no_grad():
+                    queue.add_(1.0)
         loss.backward()
-    assert visits[0] < 4 * n, visits
+    assert steps[0] < 4 * n, steps
 
 
-def test_sweep_walks_are_linear(monkeypatch):
+def test_sweep_walks_are_linear(walk_steps):
     # N records, each saved a step or two away, all also read into one
     # chain of N ops that save nothing: a depth-first walk from each went
     # down the chain before finding its handle, N^2 steps per sweep (R10;
     # review finding, 2000: 1.4 s). Counted, not timed
-    from mmdtr.core.records import StorageRecord
-    visits = [0]
-    live_users = StorageRecord.live_users
-
-    def counted(rec):
-        visits[0] += 1
-        return live_users(rec)
-
     n = 300
     with DTR(eviction_threshold='1GB', evictee_minimum_size=1) as engine:
         w = torch.randn(4, requires_grad=True)
@@ -220,14 +225,13 @@ def test_sweep_walks_are_linear(monkeypatch):
         c = torch.stack(xs).sum(0)
         for _ in range(n):
             c = c + 1.0
-        monkeypatch.setattr(StorageRecord, 'live_users', counted)
-        for _ in range(2):  # a record made since backward: second sweep
-            (w * 2).exp()  # a graph dropped: a sweep at the next op
-            engine._state.sweep_at = 0
-            torch.zeros(1)
-        monkeypatch.setattr(StorageRecord, 'live_users', live_users)
+        with walk_steps() as steps:
+            for _ in range(2):  # a record made since backward: 2nd sweep
+                (w * 2).exp()  # a graph dropped: a sweep at the next op
+                engine._state.sweep_at = 0
+                torch.zeros(1)
         del saved
-    assert visits[0] < 20 * n, visits
+    assert steps[0] < 20 * n, steps
 
 
 def test_model_built_in_scope_does_not_keep_every_step():
