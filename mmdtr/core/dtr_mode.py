@@ -40,7 +40,8 @@ class DTRStats:
 
     Attributes:
         peak_memory (int): Peak of memory in use while active, in bytes (CPU:
-            storages allocated in scope; CUDA: ``memory_allocated``).
+            storages allocated in scope; CUDA: ``memory_allocated``, the
+            allocator's own peak when it rose in scope).
         evictions (int): Storages evicted.
         recomputations (int): Storages rebuilt by replay.
         remat_seconds (float): Host time spent rebuilding saved tensors.
@@ -183,6 +184,8 @@ class DTR:
 
     @staticmethod
     def _snapshot(state: EngineState) -> DTRStats:
+        if state.cuda:
+            state.memory_in_use()  # a read brings the peak up to date (R11)
         return DTRStats(
             peak_memory=state.peak,
             evictions=state.evictions,

@@ -13,7 +13,7 @@ import random
 import torch
 
 from mmdtr.errors import MmdtrError
-from .cuda_meter import CudaAllocatedBytes
+from .cuda_meter import READ_EVERY_OPS, CudaAllocatedBytes, read_guard
 from .eviction import Evictor
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
                            batch_norm_in_training, get_arg, op_info)
@@ -120,16 +120,52 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
 
     # accounting (R11) -----------------------------------------------------
     def memory_in_use(self) -> int:
+        """Memory in use now: on CUDA, the allocator's counter, read."""
         if self.cuda:
-            return self.cuda_meter.read()
+            return self._read_cuda()
         return self.in_use
+
+    def memory_after_op(self):
+        """Memory in use after an op, or ``None`` where it need not be read.
+
+        On CUDA the counter is read only when the estimate, the last
+        reading plus the engine's own count of storages since, could be
+        within :func:`~.cuda_meter.read_guard` of the limit, or
+        :data:`~.cuda_meter.READ_EVERY_OPS` ops have passed; the estimate
+        counts towards the peak between reads (R11).
+        """
+        if not self.cuda:
+            return self.in_use
+        estimate, limit = self.in_use + self.cuda_offset, self.limit
+        far = limit is None or estimate <= limit - self.cuda_guard
+        if far and self.clock < self.cuda_read_at:
+            if estimate > self.peak:
+                self.peak = estimate
+            return None
+        return self._read_cuda()
+
+    def _read_cuda(self) -> int:
+        memory = self.cuda_meter.read()
+        self.cuda_offset = memory - self.in_use
+        self.cuda_read_at = self.clock + READ_EVERY_OPS
+        if self.cuda_meter.peak > self.peak:
+            self.peak = self.cuda_meter.peak
+        return memory
 
     def _meter_device(self, device):
         if self.threshold is None and device.type != 'cuda':
             raise oom_eviction_needs_cuda(None, device.type)
         self.device, self.cuda = device, device.type == 'cuda'
-        if self.cuda:  # memory_allocated, cheaply (R11)
-            self.cuda_meter = CudaAllocatedBytes(device)
+        if self.cuda:  # memory_allocated, cheaply and rarely (R11)
+            self.start_cuda_meter(CudaAllocatedBytes(device))
+
+    def start_cuda_meter(self, meter):
+        """Meter with ``meter`` (``read()`` returns bytes, ``peak`` is its
+        peak), read at the next op and then as :meth:`memory_after_op`
+        says."""
+        self.cuda_meter = meter
+        self.cuda_offset = self.cuda_read_at = 0
+        self.cuda_guard = read_guard(self.threshold)
 
     def _register(self, storage, cdata, rec=None):
         nbytes = storage.nbytes()
@@ -253,9 +289,9 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
                 and w._base is None else mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
-        memory = self.memory_in_use()
-        if self.cuda and memory > self.peak:
-            self.peak = memory
+        memory = self.memory_after_op()
+        if memory is None:  # not read: below the limit (R11)
+            return out
         if self.limit is not None and memory > self.limit:
             self.evict_until()
         elif self.limit != self.threshold and memory <= self.threshold:

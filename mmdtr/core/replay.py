@@ -206,7 +206,9 @@ class Replayer:
                 out = self._run_with_rng(node, args, kwargs)
         self.clock += 1
         self._meter_replay_outputs(node.func, out)
-        if self.limit is not None and self.memory_in_use() > self.limit:
+        memory = self.memory_after_op()
+        if memory is not None and self.limit is not None \
+                and memory > self.limit:
             del args, kwargs  # inputs we no longer need may go
             self.evict_until()
         return out

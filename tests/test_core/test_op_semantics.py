@@ -148,7 +148,7 @@ def test_keeps_what_a_replay_would_compute_other_bits_of(cuda, deterministic):
     state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
     if cuda:
         state.cuda = True  # the CUDA classes, driven on CPU
-        state.cuda_meter = SimpleNamespace(read=lambda: 0)
+        state.start_cuda_meter(SimpleNamespace(read=lambda: 0, peak=0))
     x = torch.randn(64, 8, requires_grad=True)
     index = torch.randint(0, 4, (64, ))
 
