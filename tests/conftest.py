@@ -77,6 +77,31 @@ class Oracle:
         return engine.stats
 
 
+@pytest.fixture(scope='session')
+def _default_scopes_at_start():
+    from mmengine.registry import DefaultScope
+    return DefaultScope, DefaultScope._instance_dict.copy()
+
+
+@pytest.fixture(autouse=True)
+def _default_scope_as_at_start(_default_scopes_at_start):
+    """Each test starts and ends with MMEngine's default scope as the
+    session started with it.
+
+    A Runner makes itself a default scope (``'mmengine'`` for a config
+    without ``default_scope``) that outlives it, also when a module or
+    session fixture built it; a later test's bare type names
+    (``DATASETS.build(dict(type='SyntheticTokenDataset'))``) then resolve in
+    MMEngine's root registries, and fail, depending on which tests ran
+    before in the same process (seen under pytest-xdist). The instances are
+    restored the way ``DefaultScope.overwrite_default_scope`` restores them.
+    """
+    scope, at_start = _default_scopes_at_start
+    scope._instance_dict = at_start.copy()
+    yield
+    scope._instance_dict = at_start.copy()
+
+
 @pytest.fixture
 def oracle():
     return Oracle
