@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
                                           _get_current_dispatch_mode_stack)
 
 from mmdtr.errors import MmdtrError
-from .engine import EngineState, oom_eviction_needs_cuda
+from .accounting import oom_eviction_needs_cuda
+from .engine import EngineState
 from .policies import build_policy
 from .records import _PLAIN
 from .sizes import parse_size

@@ -2,23 +2,23 @@
 
 One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
 hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
-holds accounting, records and the dispatch hot path; the state's eviction,
-recipe, replay, saved-tensor and in-place write methods are grouped in the
-mixins of :mod:`.eviction`, :mod:`.recipes`, :mod:`.replay`,
-:mod:`.saved_tensors` and :mod:`.writes`. The rules
+holds the state, its records and the dispatch hot path; the state's
+accounting, eviction, recipe, replay, saved-tensor and in-place write
+methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
+:mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors` and :mod:`.writes`.
+The rules
 cited as R1..R13 are in docs/design.md.
 """
 import random
 
 import torch
 
-from mmdtr.errors import MmdtrError
-from .cuda_meter import READ_EVERY_OPS, CudaAllocatedBytes, read_guard
+from .accounting import Accounting
 from .eviction import Evictor
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
                            batch_norm_in_training, get_arg, op_info)
 from .recipes import AllocNode, Recipes
-from .records import _PLAIN, StorageRecord, StorageRef, WeakList, managed
+from .records import _PLAIN, WeakList, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
@@ -27,14 +27,6 @@ _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 _STRIDED = torch.strided
-
-
-def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
-    """The error for no threshold (evict on allocation failure) off CUDA."""
-    return MmdtrError(
-        f'eviction_threshold={threshold!r} on {where}: evicting on '
-        'allocation failure needs CUDA.',
-        "On CPU give a threshold, e.g. '2GB'.")
 
 
 def _tensors_in(values) -> list:
@@ -76,7 +68,8 @@ def _input_storages(args, kwargs) -> set:
     }
 
 
-class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
+class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
+                  Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -117,118 +110,6 @@ class EngineState(Evictor, Recipes, Replayer, SavedTensors, Writes):
         self.remat_seconds = 0.0
         self.closed = False
         self._sampler = random.Random(0)  # never torch's RNG (R6)
-
-    # accounting (R11) -----------------------------------------------------
-    def memory_in_use(self) -> int:
-        """Memory in use now: on CUDA, the allocator's counter, read."""
-        if self.cuda:
-            return self._read_cuda()
-        return self.in_use
-
-    def memory_after_op(self):
-        """Memory in use after an op, or ``None`` where it need not be read.
-
-        On CUDA the counter is read only when the estimate, the last
-        reading plus the engine's own count of storages since, could be
-        within :func:`~.cuda_meter.read_guard` of the limit, or
-        :data:`~.cuda_meter.READ_EVERY_OPS` ops have passed; the estimate
-        counts towards the peak between reads (R11).
-        """
-        if not self.cuda:
-            return self.in_use
-        estimate, limit = self.in_use + self.cuda_offset, self.limit
-        far = limit is None or estimate <= limit - self.cuda_guard
-        if far and self.clock < self.cuda_read_at:
-            if estimate > self.peak:
-                self.peak = estimate
-            return None
-        return self._read_cuda()
-
-    def _read_cuda(self) -> int:
-        memory = self.cuda_meter.read()
-        self.cuda_offset = memory - self.in_use
-        self.cuda_read_at = self.clock + READ_EVERY_OPS
-        if self.cuda_meter.peak > self.peak:
-            self.peak = self.cuda_meter.peak
-        return memory
-
-    def _meter_device(self, device):
-        if self.threshold is None and device.type != 'cuda':
-            raise oom_eviction_needs_cuda(None, device.type)
-        self.device, self.cuda = device, device.type == 'cuda'
-        if self.cuda:  # memory_allocated, cheaply and rarely (R11)
-            self.start_cuda_meter(CudaAllocatedBytes(device))
-
-    def start_cuda_meter(self, meter):
-        """Meter with ``meter`` (``read()`` returns bytes, ``peak`` is its
-        peak), read at the next op and then as :meth:`memory_after_op`
-        says."""
-        self.cuda_meter = meter
-        self.cuda_offset = self.cuda_read_at = 0
-        self.cuda_guard = read_guard(self.threshold)
-
-    def _register(self, storage, cdata, rec=None):
-        nbytes = storage.nbytes()
-        if self.device is None and nbytes:  # the first storage decides (R11)
-            self._meter_device(storage.device)
-        if self.transients:
-            transient = self.transients.pop(cdata, None)
-            if transient is not None:  # a replay output adopted: counted
-                self.in_use -= transient.nbytes
-        if rec is None:
-            rec = StorageRecord(nbytes, storage.device, self.clock)
-        rec.cdata = cdata
-        rec.wref = self._count(storage, cdata, nbytes, self._on_free)
-        self.records[cdata] = rec
-        return rec
-
-    def _count(self, storage, cdata, nbytes, on_free):
-        """Add ``storage`` to memory in use until ``on_free`` sees it go."""
-        wref = StorageRef(storage, on_free)
-        wref.cdata, wref.nbytes = cdata, nbytes
-        self.in_use += nbytes
-        if self.in_use > self.peak and not self.cuda:
-            self.peak = self.in_use
-        return wref
-
-    def _on_free(self, wref):
-        """A registered storage was freed (evicted or dropped): account."""
-        rec = self.records.pop(wref.cdata, None)
-        if rec is not None and rec.wref is wref:
-            self.in_use -= rec.nbytes
-            rec.cdata = rec.wref = None
-            if rec.cand_index >= 0:
-                self._drop_candidate(rec)
-            elif rec.lo is not None and rec.has_live_users():
-                # fake deletion: its users' recipes still need it, so it
-                # counts in their evicted neighbourhood (R8)
-                rec.join_evicted_class()
-
-    def _meter_replay_outputs(self, func, out):
-        """Count the new storages of a replayed op while they live (R11).
-
-        Replays run below the dispatcher, so their outputs are not
-        registered: the rebuilt storage until it is adopted, an older
-        version rebuilt for one use, the other outputs of a multi-output op.
-        """
-        if not op_info(func).fresh_returns:
-            return
-        for o in out if isinstance(out, (tuple, list)) else (out, ):
-            if not isinstance(o, Tensor):
-                continue
-            storage = o.untyped_storage()
-            cdata = storage._cdata
-            if _use_count(cdata) != 2 or cdata in self.records \
-                    or cdata in self.transients:
-                continue  # not a new storage of this op's own
-            self.transients[cdata] = self._count(storage, cdata,
-                                                 storage.nbytes(),
-                                                 self._on_transient_free)
-
-    def _on_transient_free(self, wref):
-        if self.transients.get(wref.cdata) is wref:
-            del self.transients[wref.cdata]
-            self.in_use -= wref.nbytes
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
