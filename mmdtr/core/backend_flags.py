@@ -20,9 +20,9 @@ Float32 precision has two APIs, both kept: the legacy flags
 as ``None``, unknown) once the per-backend values
 (``torch.backends.<backend>.<op>.fp32_precision``) differ in ways they
 cannot express, and the per-backend values, after them. Setting one switch
-may change others (a legacy flag the per-backend values, a parent
-precision its children): :func:`switched_to` sets them again until all
-read as asked.
+may change others (a legacy flag the per-backend values and another
+legacy flag, a parent precision what its unset children read):
+:func:`switched_to` sets them again until all read as asked.
 """
 import contextlib
 from functools import partial
@@ -101,8 +101,13 @@ def _set_deterministic(enabled, warn_only):
     _C._set_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-def _all_switches():
-    cuda = torch.cuda._is_compiled()
+def _all_switches(cuda: bool = None) -> tuple:
+    """``(getter, setter)`` of every switch, in the order they are set;
+    ``cuda``: with those of a CUDA build (default: whether this is one).
+    A CPU build has the CUDA switches' getters and setters too, so tests
+    build the CUDA table there."""
+    if cuda is None:
+        cuda = torch.cuda._is_compiled()
     names = _NAMES + (_CUDA_NAMES if cuda else ())
     legacy = _LEGACY_PRECISIONS + (_CUDA_LEGACY_PRECISIONS if cuda else ())
     legacy = tuple((_tolerant(get), put)
@@ -124,16 +129,18 @@ def current() -> tuple:
 
 
 def _put(values: tuple, now: tuple) -> None:
-    """Set the switches that differ from ``values`` (``None``: unknown, left
-    as is); ``now`` is what they read before. A setter may change other
-    switches (a parent precision its children, a legacy flag another), so
-    the switches are read and set again until those known read as asked,
-    three passes at most; tested for every pair of precision changes, not
-    proven for longer sequences."""
+    """Set the switches that differ from ``values`` (``None`` there:
+    unknown, left as is); ``now`` is what they read before (``None``:
+    unreadable now, set all the same). A setter may change other switches
+    (a legacy flag the per-backend values and another legacy flag, a
+    parent precision what its unset children read), so the switches are
+    read and set again until those known read as asked, three passes at
+    most; tested for every pair of precision changes on the switches of a
+    CPU and of a CUDA build, not proven for longer sequences."""
     for _ in range(3):
         pending = [(put, then)
                    for (_, put), then, was in zip(_SWITCHES, values, now)
-                   if then != was and None not in (then, was)]
+                   if then is not None and then != was]
         if not pending:
             return
         for put, then in pending:
