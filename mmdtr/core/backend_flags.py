@@ -26,6 +26,7 @@ legacy flag, a parent precision what its unset children read):
 """
 import contextlib
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -101,7 +102,7 @@ def _set_deterministic(enabled, warn_only):
     _C._set_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-def _all_switches(cuda: bool = None) -> tuple:
+def _all_switches(cuda: Optional[bool] = None) -> tuple:
     """``(getter, setter)`` of every switch, in the order they are set;
     ``cuda``: with those of a CUDA build (default: whether this is one).
     A CPU build has the CUDA switches' getters and setters too, so tests
