@@ -6,6 +6,7 @@ also covers list returns; writes come from the schema's alias annotations.
 Classification is computed once per ``OpOverload`` and cached, so the hot
 path pays a dict lookup per op (rule R1 of docs/design.md).
 """
+import platform
 from typing import Dict, NamedTuple, Tuple
 
 import torch
@@ -62,24 +63,35 @@ NEVER = 'never'
 _INDEX_PUTS = ('index_put', '_index_put_impl', '_unsafe_index_put',
                '_unsafe_masked_index_put_accumulate', 'index_copy')
 #: A replay's arguments require no grad (R4), so a CPU convolution's kernel
-#: sees ``need_backward`` false; with XNNPACK built in (ARM, mobile)
-#: PyTorch then may choose XNNPACK or an inference-only depthwise 3x3
-#: Winograd kernel, not the recorded call's: its outputs are kept there.
+#: sees ``need_backward`` false. PyTorch then may choose an inference-only
+#: depthwise 3x3 Winograd kernel on ARM (NEON) and RISC-V vector builds, or
+#: XNNPACK on mobile builds, not the recorded call's kernel: convolution
+#: outputs are kept there. XNNPACK built into an x86 wheel (as in PyTorch's
+#: official ones) is not used for convolutions outside mobile builds.
 _CONVOLUTIONS = ('convolution', '_convolution', 'convolution_overrideable')
+#: CPU architectures with such kernels (``platform.machine()`` prefixes).
+_OTHER_CONV_KERNEL_MACHINES = ('arm', 'aarch64', 'riscv')
 
 
-def _cpu_classes(xnnpack: bool) -> dict:
+def _cpu_classes(replayed_conv_may_change_kernel: bool) -> dict:
     """The CPU classes that differ from ``ALWAYS``."""
     classes = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
     classes.update(
         dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
-    if xnnpack:
+    if replayed_conv_may_change_kernel:
         classes.update(dict.fromkeys(_CONVOLUTIONS, NEVER))
     return classes
 
 
+def replayed_conv_may_change_kernel(machine: str) -> bool:
+    """Whether a CPU convolution replayed without ``need_backward`` may run
+    on another kernel on a CPU of this architecture (``platform.machine()``).
+    """
+    return machine.lower().startswith(_OTHER_CONV_KERNEL_MACHINES)
+
+
 _CPU_CLASSES = _cpu_classes(
-    getattr(torch._C, '_is_xnnpack_enabled', lambda: False)())
+    replayed_conv_may_change_kernel(platform.machine()))
 _CUDA_CLASSES = dict.fromkeys(
     _INDEX_PUTS +
     ('index_add', 'scatter', 'scatter_add', 'embedding_dense_backward',

@@ -1,5 +1,6 @@
 """Static facts about ops (mmdtr/core/op_semantics.py), checked against
 what eager PyTorch does."""
+import platform
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -8,12 +9,13 @@ import torch
 
 from mmdtr.core.engine import EngineState
 from mmdtr.core.op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE, NEVER,
-                                     _cpu_classes, op_info)
+                                     _cpu_classes, op_info,
+                                     replayed_conv_may_change_kernel)
 from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
 
 A = torch.ops.aten
-_XNNPACK = torch._C._is_xnnpack_enabled()
+_OTHER_CONV_KERNELS = replayed_conv_may_change_kernel(platform.machine())
 
 
 def _three():
@@ -104,7 +106,7 @@ def test_versions_move_under_dtr_as_in_eager(name):
 
 @pytest.mark.parametrize('op, cpu, cuda', [
     (A.mm.default, ALWAYS, ALWAYS),
-    (A.convolution.default, NEVER if _XNNPACK else ALWAYS, ALWAYS),
+    (A.convolution.default, NEVER if _OTHER_CONV_KERNELS else ALWAYS, ALWAYS),
     (A.convolution_backward.default, ALWAYS, IN_DETERMINISTIC_MODE),
     (A.index_add.default, ALWAYS, IN_DETERMINISTIC_MODE),
     (A.index_add_.default, ALWAYS, IN_DETERMINISTIC_MODE),
@@ -126,17 +128,23 @@ def test_determinism_of_ops(op, cpu, cuda):
     assert (info.cpu_determinism, info.cuda_determinism) == (cpu, cuda)
 
 
-def test_convolutions_are_kept_where_xnnpack_may_take_the_replay():
-    # a replay's arguments require no grad: with XNNPACK built in, PyTorch
-    # may run a replayed convolution on another kernel (found by an
-    # adversarial search; this x86 build has no XNNPACK)
-    with_xnnpack, without = _cpu_classes(True), _cpu_classes(False)
+def test_convolutions_are_kept_where_a_replay_may_take_another_kernel():
+    # a replay's arguments require no grad: on ARM and RISC-V builds PyTorch
+    # may run a replayed convolution on its inference-only Winograd kernel
+    # (found by an adversarial search). XNNPACK, built into PyTorch's x86
+    # wheels, runs convolutions on mobile builds only: x86 convolutions
+    # replay (keyed on XNNPACK, they were kept on an official x86 wheel)
+    for machine in ('aarch64', 'arm64', 'armv7l', 'riscv64'):
+        assert replayed_conv_may_change_kernel(machine), machine
+    for machine in ('x86_64', 'AMD64', 'i686', 'ppc64le', 's390x'):
+        assert not replayed_conv_may_change_kernel(machine), machine
+    kept, replayed = _cpu_classes(True), _cpu_classes(False)
     for name in ('convolution', '_convolution', 'convolution_overrideable'):
-        assert with_xnnpack[name] == NEVER and name not in without
+        assert kept[name] == NEVER and name not in replayed
     assert {
         k: v
-        for k, v in with_xnnpack.items() if 'convolution' not in k
-    } == without
+        for k, v in kept.items() if 'convolution' not in k
+    } == replayed
 
 
 @pytest.mark.parametrize('cuda', [False, True])
