@@ -1,7 +1,8 @@
 """Scaffolding shared by the adapter tests, handed out as fixtures.
 
 Test modules cannot import each other (``--import-mode=importlib``), so
-what they share lives here: the single-thread switch, a free TCP port and a
+what they share lives here: deterministic algorithms where the Runner
+trains on CUDA, the single-thread switch, a free TCP port and a
 one-rank process group, ``tools/train.py`` as a module, a toy runner config
 factory, and the toys registered with MMEngine: a tiny linear model and
 dataset, a small conv net of two stages, seeded random images, and (from
@@ -28,6 +29,23 @@ from mmdtr.adapters.distributed import close_dist
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOY_DIR = osp.dirname(osp.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_where_the_runner_trains_on_cuda():
+    """On a GPU machine MMEngine's Runner moves the model to CUDA: the
+    bit-for-bit comparisons of training runs need deterministic algorithms
+    there (cuDNN's default convolution backward is not). ``warn_only``: an
+    op without a deterministic CUDA kernel warns instead of raising. CPU
+    runs are left as they are."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _import_toy_classifier():

@@ -141,10 +141,11 @@ def test_hook_matches_plain_and_logs(make_cfg, tmp_path, seeded_toy_images):
     plain.train()
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     data = seeded_toy_images()
+    device = next(plain.parameters()).device  # the Runner's: CUDA if any
     for start in (0, 4):
         batch = [data[i] for i in range(start, start + 4)]
-        inputs = torch.stack([b['inputs'] for b in batch])
-        labels = torch.tensor([b['labels'] for b in batch])
+        inputs = torch.stack([b['inputs'] for b in batch]).to(device)
+        labels = torch.tensor([b['labels'] for b in batch], device=device)
         optimizer.zero_grad()
         plain(inputs, labels, mode='loss')['loss'].backward()
         optimizer.step()

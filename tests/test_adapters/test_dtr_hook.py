@@ -12,7 +12,7 @@ from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.dtr_hook import DTRHook
-from mmdtr.adapters.dtr_model_wrapper import dtr_mode_active
+from mmdtr.adapters.dtr_model_wrapper import dtr_mode_active, model_device
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -296,7 +296,8 @@ def test_exception_in_iteration_leaves_nothing(tmp_path, where, make_cfg):
     assert 'backward' not in vars(runner.optim_wrapper)
     assert dtr_hook(runner).stats.evictions > 0  # the first iteration's
     # the thread trains without DTR again
-    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    x = torch.randn(
+        2, 3, 16, 16, device=model_device(runner.model), requires_grad=True)
     with DTR(eviction_threshold='1GB') as engine:
         runner.model.body(x).sum().backward()
     assert engine.stats.ops > 0
@@ -332,7 +333,9 @@ def test_custom_hooks_route(tmp_path, make_cfg):
     assert hook.stats.evictions > 0
     with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
         text = f.read()
-    assert ('Enabling the "dtr" feature (mmdtr) on cpu: '
+    # the Runner moves the model to CUDA where there is one
+    device = model_device(runner.model)
+    assert (f'Enabling the "dtr" feature (mmdtr) on {device}: '
             "{'eviction_threshold': '96KB', 'evictee_minimum_size': '4KB', "
             "'enable_sqrt_sampling': False, 'policy': 'dtr'}, in "
             'DTRHookToyNet.train_step (by DTRHook)') in text

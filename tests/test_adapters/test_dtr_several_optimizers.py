@@ -56,8 +56,9 @@ class DTRToyGAN(BaseModel):
         return self.generator(inputs)
 
     def train_step(self, data, optim_wrapper):
-        real = data['inputs']
-        noise = torch.randn(real.shape[0], 8, *real.shape[2:])
+        real = self.data_preprocessor(data, True)['inputs']  # to the device
+        noise = torch.randn(
+            real.shape[0], 8, *real.shape[2:], device=real.device)
         disc, gen = optim_wrapper['discriminator'], optim_wrapper['generator']
         with disc.optim_context(self.discriminator):
             with torch.no_grad():

@@ -121,17 +121,18 @@ _UNKNOWN_LEGACY_FLAG = {('generic tf32', 'cudnn no tf32'),
                         ('cudnn no tf32', 'generic tf32')}
 
 
-@pytest.fixture(params=['cpu build', 'cuda build'])
+@pytest.fixture(params=['this build', 'cuda build'])
 def switches(request, monkeypatch):
-    """The switches of this build, or those of a CUDA build: two more legacy
-    precisions (cuDNN's and cuBLAS's TF32 flags), whose getters and setters
-    a CPU build has too."""
+    """Whether the switch table is a CUDA build's: that of this build, or
+    that of a CUDA build (two more legacy precisions, cuDNN's and cuBLAS's
+    TF32 flags, whose getters and setters a CPU build has too)."""
     if request.param == 'cuda build':
         table = backend_flags._all_switches(cuda=True)
         monkeypatch.setattr(backend_flags, '_SWITCHES', table)
         monkeypatch.setattr(backend_flags, '_GETTERS',
                             tuple(get for get, _ in table))
-    return request.param
+        return True
+    return torch.cuda._is_compiled()
 
 
 @pytest.mark.parametrize('first, second',
@@ -150,7 +151,7 @@ def test_switched_to_restores_precisions_a_setter_also_changed(
     now = current()
     with switched_to(recorded):
         assert current() == recorded
-    if switches == 'cuda build' and (first, second) in _UNKNOWN_LEGACY_FLAG:
+    if switches and (first, second) in _UNKNOWN_LEGACY_FLAG:
         assert [(a, b) for a, b in zip(current(), now) if a != b] == \
             [(True, None)]
     else:
