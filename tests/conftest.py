@@ -1,4 +1,5 @@
 """Shared test fixtures: the bit-exactness oracles of the DTR engine."""
+import contextlib
 import copy
 import os
 
@@ -107,14 +108,30 @@ def oracle():
     return Oracle
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms(warn_only=False):
+    """Deterministic algorithms (bit-exactness on CUDA needs them); both
+    flags of ``torch.use_deterministic_algorithms`` restored afterwards."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """:func:`_deterministic_algorithms`: ``with ...(warn_only=False):``."""
+    return _deterministic_algorithms
+
+
 @pytest.fixture
 def deterministic():
-    """Deterministic algorithms (bit-exactness on CUDA needs them);
-    restored afterwards."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+    """Deterministic algorithms for the test; restored afterwards."""
+    with _deterministic_algorithms():
+        yield
 
 
 def _same_under_dtr(step, setup=None):

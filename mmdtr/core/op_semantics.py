@@ -73,12 +73,12 @@ _CONVOLUTIONS = ('convolution', '_convolution', 'convolution_overrideable')
 _OTHER_CONV_KERNEL_MACHINES = ('arm', 'aarch64', 'riscv')
 
 
-def _cpu_classes(replayed_conv_may_change_kernel: bool) -> dict:
+def _cpu_classes(keep_convolutions: bool) -> dict:
     """The CPU classes that differ from ``ALWAYS``."""
     classes = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
     classes.update(
         dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
-    if replayed_conv_may_change_kernel:
+    if keep_convolutions:
         classes.update(dict.fromkeys(_CONVOLUTIONS, NEVER))
     return classes
 

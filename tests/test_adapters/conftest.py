@@ -32,7 +32,7 @@ TOY_DIR = osp.dirname(osp.abspath(__file__))
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_where_the_runner_trains_on_cuda():
+def _deterministic_where_the_runner_trains_on_cuda(deterministic_algorithms):
     """On a GPU machine MMEngine's Runner moves the model to CUDA: the
     bit-for-bit comparisons of training runs need deterministic algorithms
     there (cuDNN's default convolution backward is not). ``warn_only``: an
@@ -41,11 +41,8 @@ def _deterministic_where_the_runner_trains_on_cuda():
     if not torch.cuda.is_available():
         yield
         return
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with deterministic_algorithms(warn_only=True):
+        yield
 
 
 def _import_toy_classifier():

@@ -126,8 +126,8 @@ def cuda_allocated_mb():
 def test_workload_bit_identical_under_dtr(name, tmp_path):
     plain = train(workload_cfg(name, tmp_path / 'plain'))
     assert 'train/dtr_evictions' not in plain.message_hub.log_scalars
-    plain_state, on_cuda = cpu_state(plain.model), model_device(
-        plain.model).type == 'cuda'
+    plain_state = cpu_state(plain.model)
+    on_cuda = model_device(plain.model).type == 'cuda'
     del plain
     leftover_mb = cuda_allocated_mb()
     probe = train(
