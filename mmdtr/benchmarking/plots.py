@@ -14,7 +14,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 MIB = 2**20
 _MARKERS = dict(
-    baseline='s', checkpoint_sqrt='^', mmengine_ac='v', mmdtr_ac='D', dtr='o')
+    baseline='s',
+    dispatch_floor='P',
+    checkpoint_sqrt='^',
+    mmengine_ac='v',
+    mmdtr_ac='D',
+    dtr='o')
 
 
 def _ok(records: List[dict]) -> List[dict]:
@@ -52,6 +57,12 @@ def plot_sweep(records: List[dict], path: str) -> str:
                 r['median_step_s'], color='k', ls='--', label='baseline')
             ax_peak.axhline(
                 r['peak_engine'] / MIB, color='k', ls='--', label='baseline')
+        elif r['technique'] == 'dispatch_floor':
+            ax_time.axhline(
+                r['median_step_s'],
+                color='tab:gray',
+                ls='-.',
+                label='dispatch floor')
         elif r['technique'] == 'dtr' and r['threshold'] >= 2**60:
             ax_time.axhline(
                 r['median_step_s'],

@@ -188,6 +188,39 @@ def _run_table(records: List[dict], extra: str) -> List[str]:
     return lines
 
 
+def _step(record: Optional[dict], fastest: bool) -> Optional[float]:
+    if record is None or record.get('status') != 'ok':
+        return None
+    if fastest:
+        return min(record.get('step_times_s') or (), default=None)
+    return record.get('median_step_s')
+
+
+def per_op_line(records: List[dict]) -> Optional[str]:
+    """The sweep's cost per op: the dispatch floor over the baseline, and
+    DTR without eviction over the floor (medians, then fastest steps), or
+    ``None`` without those three runs or an op count."""
+    first = {}
+    for r in records:
+        if r['technique'] == 'dtr' and (r.get('threshold') or 0) < 2**60:
+            continue
+        first.setdefault(r['technique'], r)
+    runs = [first.get(t) for t in ('baseline', 'dispatch_floor', 'dtr')]
+    ops = runs[2].get('ops') if runs[2] else None
+    if not ops or None in runs:
+        return None
+    cells = []
+    for fastest in (False, True):
+        base, floor, dtr = (_step(r, fastest) for r in runs)
+        if None in (base, floor, dtr):
+            return None
+        cells.append(f'{(floor - base) / ops * 1e6:.1f} us and '
+                     f'{(dtr - floor) / ops * 1e6:.1f} us')
+    return (f'Per op ({ops:.0f} ops per step in scope): the dispatch floor '
+            'over the baseline, and DTR without eviction over the floor: '
+            f'{cells[0]} (medians); {cells[1]} (fastest steps).')
+
+
 def _settings_line(
     settings: dict,
     keys=('config', 'batch_size', 'image_size', 'seq_len', 'device', 'warmup',
@@ -221,6 +254,9 @@ def markdown(results: dict) -> str:
             f", policy={section['settings'].get('policy')}", ''
         ]
         lines += _run_table(section['runs'], 'target') + ['']
+        per_op = per_op_line(section['runs'])
+        if per_op:
+            lines += [per_op, '']
     if 'compare' in results:
         section = results['compare']
         lines += [

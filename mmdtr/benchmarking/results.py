@@ -18,7 +18,7 @@ _RUN_KEYS = dict(name=str, technique=str, status=str)
 #: Keys of a run record that, when set, are numbers.
 _RUN_NUMBERS = ('threshold', 'fraction', 'batch_size', 'median_step_s',
                 'peak_engine', 'peak_independent', 'evictions',
-                'recomputations', 'eviction_failures')
+                'recomputations', 'eviction_failures', 'ops')
 _BATCH_KEYS = ('capacity', 'max_batch', 'policy', 'headroom', 'criterion',
                'baseline', 'dtr')
 

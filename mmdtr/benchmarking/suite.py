@@ -140,7 +140,8 @@ class BenchmarkSuite:
               fractions: Sequence[float] = (),
               thresholds: Sequence[int] = (),
               policy: str = 'dtr') -> List[dict]:
-        """Baseline, DTR without eviction, DTR at each threshold.
+        """Baseline, the dispatch floor, DTR without eviction, DTR at each
+        threshold.
 
         Args:
             fractions (Sequence[float]): Thresholds as fractions of the
@@ -151,10 +152,12 @@ class BenchmarkSuite:
         Returns:
             list[dict]: Records; ``fraction`` is set on fraction runs.
         """
-        runs = 2 + len(fractions) + len(thresholds)
+        runs = 3 + len(fractions) + len(thresholds)
         bar = self.bar(runs * self.repeats, 'sweep')
-        records = [self.baseline(bar), self.no_eviction(bar, policy)]
-        peak = records[1]['peak_engine']
+        records = [self.baseline(bar), self.dispatch_floor(bar)]
+        no_eviction = self.no_eviction(bar, policy)
+        records.append(no_eviction)
+        peak = no_eviction['peak_engine']
         for fraction in fractions:
             if not peak:
                 records.append(
@@ -162,7 +165,7 @@ class BenchmarkSuite:
                         f'dtr@{fraction:g}',
                         'dtr',
                         policy,
-                        _no_peak(records[1]),
+                        _no_peak(no_eviction),
                         fraction=fraction))
                 bar.update()
                 continue
@@ -211,6 +214,11 @@ class BenchmarkSuite:
     def baseline(self, bar: Progress) -> dict:
         """The run without any technique (engine-metered in an extra step)."""
         return self.run('baseline', self.spec('baseline'), bar)
+
+    def dispatch_floor(self, bar: Progress) -> dict:
+        """An empty dispatch mode and saved-tensor hooks: what any engine
+        built as DTR is pays (see :class:`~.workloads.DispatchFloor`)."""
+        return self.run('dispatch floor', self.spec('dispatch_floor'), bar)
 
     def no_eviction(self, bar: Progress, policy: str = 'dtr') -> dict:
         """DTR at a threshold never reached: overhead and baseline peak."""

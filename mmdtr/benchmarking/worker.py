@@ -11,8 +11,10 @@ What a run measures, in this order:
 1. ``warmup`` training steps (not measured);
 2. ``steps`` timed training steps; their median is the step time. Under DTR
    each step has its own engine, and the engine's meter gives the peak
-   (the largest over the steps), with the evictions, recomputations and
-   eviction failures (means per step);
+   (the largest over the steps), with the evictions, recomputations,
+   eviction failures and ops (means per step); technique
+   ``dispatch_floor`` runs each step under a fresh
+   :class:`~.workloads.DispatchFloor` instead;
 3. without DTR, one more step metered by a DTR engine whose threshold is
    never reached (:data:`~.workloads.NO_EVICTION`): the engine's peak of a
    run that evicts nothing;
@@ -36,7 +38,8 @@ import torch._dynamo  # noqa: F401
 
 from mmdtr.dtr import DTR
 from mmdtr.utils.profiler_memory import measure_memory
-from .workloads import NO_EVICTION, Workload, apply_technique, load_config
+from .workloads import (NO_EVICTION, DispatchFloor, Workload, apply_technique,
+                        load_config)
 
 #: Starts the last line of a run's log, followed by the result as JSON.
 RESULT_PREFIX = 'mmdtr-benchmark result: '
@@ -118,7 +121,9 @@ def _measure(spec: dict, result: dict) -> None:
     result['applied'] = apply_technique(work.model, spec['technique'],
                                         spec['blocks'])
 
-    def engine() -> Optional[DTR]:
+    def engine():
+        if spec['technique'] == 'dispatch_floor':
+            return DispatchFloor()
         if not dtr:
             return None
         return DTR(
@@ -141,7 +146,7 @@ def _measure(spec: dict, result: dict) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-        if eng is not None:
+        if dtr:
             stats.append(eng.stats)
     result['step_times_s'] = times
     result['median_step_s'] = statistics.median(times) if times else None
@@ -155,7 +160,7 @@ def _measure(spec: dict, result: dict) -> None:
     if stats:
         result['peak_engine'] = max(s.peak_memory for s in stats)
         for key in ('evictions', 'recomputations', 'eviction_failures',
-                    'remat_seconds'):
+                    'remat_seconds', 'ops'):
             result[key] = statistics.fmean(getattr(s, key) for s in stats)
     if not cuda and spec['profile']:
         measured = measure_memory(work.step, (engine(), ))
@@ -171,7 +176,9 @@ def run_spec(spec: dict) -> dict:
         or ``'error'`` with ``error``), ``median_step_s``,
         ``step_times_s``, ``peak_engine``, ``peak_independent`` and
         ``independent_meter``, ``evictions``, ``recomputations``,
-        ``eviction_failures``, ``remat_seconds`` (per step), ``loss``,
+        ``eviction_failures``, ``remat_seconds``, ``ops`` (per step: ops
+        the engine saw, in the metering step for runs without DTR),
+        ``loss``,
         ``applied``, ``num_threads``, ``wall_s``, ``load_average`` (the
         1-minute load average at start and end); missing figures are None.
     """
@@ -186,7 +193,8 @@ def run_spec(spec: dict) -> dict:
         evictions=None,
         recomputations=None,
         eviction_failures=None,
-        remat_seconds=None)
+        remat_seconds=None,
+        ops=None)
     start = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
     try:

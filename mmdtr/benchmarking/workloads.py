@@ -18,6 +18,7 @@ import torch
 from mmengine.config import Config
 from mmengine.dataset import default_collate
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from mmdtr.dtr import DTR
@@ -37,7 +38,8 @@ DEFAULT_BLOCKS: Dict[str, str] = {
 }
 #: What a run may apply to the model.
 OPTIMIZERS = ('sgd', 'sgd_in_backward', 'none')
-TECHNIQUES = ('baseline', 'dtr', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac')
+TECHNIQUES = ('baseline', 'dtr', 'dispatch_floor', 'checkpoint_sqrt',
+              'mmengine_ac', 'mmdtr_ac')
 #: A threshold no workload reaches: DTR meters but never evicts.
 NO_EVICTION = 2**62
 
@@ -195,7 +197,7 @@ def apply_technique(model: nn.Module,
     if technique not in TECHNIQUES:
         raise MmdtrError(f'technique {technique!r} is unknown; accepted: '
                          f'{list(TECHNIQUES)}.')
-    if technique in ('baseline', 'dtr'):
+    if technique in ('baseline', 'dtr', 'dispatch_floor'):
         return ''
     names = block_names(model, blocks)
     if technique == 'checkpoint_sqrt':
@@ -210,6 +212,44 @@ def apply_technique(model: nn.Module,
             apply_activation_checkpointing
         apply_activation_checkpointing(model, names)
     return f'each of {len(names)} blocks'
+
+
+class _ForwardEveryOp(TorchDispatchMode):
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _identity(tensor):
+    return tensor
+
+
+class DispatchFloor:
+    """What an engine built as DTR is pays before doing any work: an empty
+    ``TorchDispatchMode`` that runs every op as it is, and saved-tensor
+    hooks that keep every saved tensor as it is. Used as an engine by
+    :meth:`Workload.step` (technique ``'dispatch_floor'``), it separates
+    PyTorch's cost of these two extension points from DTR's bookkeeping.
+    """
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            _identity, _identity)
+        self._mode = _ForwardEveryOp()
+        self._mode.__enter__()
+        try:
+            self._hooks.__enter__()
+        except BaseException:
+            self._mode.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            self._mode.__exit__(*exc)
+        return False
 
 
 class Workload:
@@ -257,7 +297,8 @@ class Workload:
                              f'{OPTIMIZERS}.')
 
     def step(self, engine: Optional[DTR] = None) -> float:
-        """One training step; DTR ``engine`` (if any) around fwd and bwd.
+        """One training step; ``engine`` (if any: a :class:`DTR` or a
+        :class:`DispatchFloor`) around the forward and the backward.
 
         Returns:
             float: The loss.

@@ -18,7 +18,7 @@ from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 checkpoint_segments, largest_fitting,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.launch import default_launcher
-from mmdtr.benchmarking.report import markdown
+from mmdtr.benchmarking.report import markdown, per_op_line
 from mmdtr.benchmarking.worker import RESULT_PREFIX
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -53,8 +53,10 @@ def test_quick_writes_json_of_every_run(quick_run):
     assert set(results) == {'meta', 'sweep', 'compare', 'largest_batch'}
     assert {'cpu', 'cpu_count', 'torch', 'device'} <= set(results['meta'])
     sweep = results['sweep']['runs']
-    assert [r['name'] for r in sweep
-            ] == ['baseline', 'dtr (no eviction)', 'dtr@0.5', 'dtr@0.25']
+    assert [r['name'] for r in sweep] == [
+        'baseline', 'dispatch floor', 'dtr (no eviction)', 'dtr@0.5',
+        'dtr@0.25'
+    ]
     compare = results['compare']['runs']
     assert [r['name'] for r in compare] == [
         'baseline', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac', 'dtr[dtr]',
@@ -68,9 +70,13 @@ def test_quick_writes_json_of_every_run(quick_run):
         assert run['independent_meter'] == 'torch.profiler'
         assert osp.isfile(run['log'])
     # thresholds are fractions of the peak of DTR without eviction
-    peak = sweep[1]['peak_engine']
-    assert sweep[2]['threshold'] == int(peak * 0.5)
-    assert sweep[3]['threshold'] == int(peak * 0.25)
+    peak = sweep[2]['peak_engine']
+    assert sweep[3]['threshold'] == int(peak * 0.5)
+    assert sweep[4]['threshold'] == int(peak * 0.25)
+    # the floor runs the same steps as the baseline, op for op
+    assert sweep[1]['loss'] == sweep[0]['loss']
+    # every run counts the ops in scope (runs without DTR: the meter's step)
+    assert len({run['ops'] for run in sweep}) == 1 and sweep[0]['ops'] > 0
     # compare matches DTR's threshold to the sqrt(N) checkpointing's peak
     assert {r['threshold'] for r in compare[4:]} == {compare[1]['peak_engine']}
     batch = results['largest_batch']['result']
@@ -92,9 +98,9 @@ def test_quick_writes_table_and_plots(quick_run, benchmark_cli):
         assert heading in table
     rows = [line for line in table.splitlines() if line.startswith('| ')]
     names = [row.split('|')[1].strip() for row in rows]
-    for name in ('baseline', 'dtr (no eviction)', 'dtr@0.5', 'dtr@0.25',
-                 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac', 'dtr[lru]',
-                 'dtr'):
+    for name in ('baseline', 'dispatch floor', 'dtr (no eviction)', 'dtr@0.5',
+                 'dtr@0.25', 'checkpoint_sqrt', 'mmengine_ac', 'mmdtr_ac',
+                 'dtr[lru]', 'dtr'):
         assert name in names
     for png in ('sweep.png', 'time_vs_peak.png'):
         with open(work_dir / png, 'rb') as f:
@@ -314,6 +320,31 @@ def test_markdown_marks_targets_from_the_slowdown():
     assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
 
 
+def test_per_op_line_splits_the_floor_from_the_engine():
+    runs = [
+        _record('baseline', 'baseline', 1.0),
+        _record('dispatch floor', 'dispatch_floor', 1.1),
+        _record('dtr (no eviction)', 'dtr', 1.5, threshold=2**62),
+        _record('dtr@0.5', 'dtr', 2.0, threshold=50 * 2**20, fraction=0.5),
+    ]
+    for run in runs:
+        run['ops'] = 1000.0
+    line = per_op_line(runs)
+    # medians: (1.1 - 1.0) s and (1.5 - 1.1) s over 1000 ops; fastest
+    # steps: (0.55 - 0.5) s and (0.85 - 0.55) s
+    assert '1000 ops per step' in line
+    assert '100.0 us and 400.0 us (medians)' in line
+    assert '50.0 us and 300.0 us (fastest steps)' in line
+    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
+    assert line in table
+    # without the floor's run, or without an op count: no line
+    assert per_op_line([runs[0]] + runs[2:]) is None
+    runs[2]['ops'] = None
+    assert per_op_line(runs) is None
+    assert 'Per op' not in markdown(
+        dict(meta={}, sweep=dict(settings={}, runs=runs)))
+
+
 def test_repeats_run_in_rounds_and_pool_the_steps(canned_launcher):
     launcher = canned_launcher()
     suite = BenchmarkSuite(
@@ -323,14 +354,15 @@ def test_repeats_run_in_rounds_and_pool_the_steps(canned_launcher):
     # ..., so that a steady drift of the machine's speed within a round
     # does not always fall on the baseline, which runs first
     assert launcher.calls == [
-        'baseline', 'dtr (no eviction)', 'dtr@0.5', 'dtr@0.5 (repeat 2)',
-        'dtr (no eviction) (repeat 2)', 'baseline (repeat 2)',
-        'baseline (repeat 3)', 'dtr (no eviction) (repeat 3)',
-        'dtr@0.5 (repeat 3)'
+        'baseline', 'dispatch floor', 'dtr (no eviction)', 'dtr@0.5',
+        'dtr@0.5 (repeat 2)', 'dtr (no eviction) (repeat 2)',
+        'dispatch floor (repeat 2)', 'baseline (repeat 2)',
+        'baseline (repeat 3)', 'dispatch floor (repeat 3)',
+        'dtr (no eviction) (repeat 3)', 'dtr@0.5 (repeat 3)'
     ]
     baseline = records[0]
-    assert baseline['step_times_s'] == [1.0, 6.0, 7.0]
-    assert baseline['median_step_s'] == 6.0 and baseline['repeats'] == 3
+    assert baseline['step_times_s'] == [1.0, 8.0, 9.0]
+    assert baseline['median_step_s'] == 8.0 and baseline['repeats'] == 3
 
 
 def test_no_peak_says_what_happened(canned_launcher):
@@ -340,7 +372,7 @@ def test_no_peak_says_what_happened(canned_launcher):
         config=RESNET,
         batch_size=2,
         device='cpu')
-    error = suite.sweep(fractions=(0.5, ))[2]['error']
+    error = suite.sweep(fractions=(0.5, ))[3]['error']
     assert 'failed' not in error
     assert error.endswith('dtr (no eviction) metered None bytes')
 

@@ -121,13 +121,13 @@ def test_failed_runs_exit_non_zero(tool, tmp_path, canned):
     ]
     with pytest.raises(
             MmdtrError,
-            match='3 of 3 runs failed: baseline '
+            match='4 of 4 runs failed: baseline '
             r'\(error\).*so compare, largest-batch did not run'):
         canned(status='error', peak_engine=None)
         tool.main(argv + QUIET)
     with open(tmp_path / 'results.json') as f:
         assert [r['status'] for r in json.load(f)['sweep']['runs']
-                ] == ['error', 'error', 'skipped']
+                ] == ['error', 'error', 'error', 'skipped']
 
 
 def test_quick_headroom_is_checked_once_the_capacity_is_known(
