@@ -14,7 +14,7 @@ from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
 from .op_semantics import op_info
 from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
-from .records import detached_alias, view_of
+from .records import _PLAIN, detached_alias, view_meta, view_of
 
 Tensor = torch.Tensor
 
@@ -92,6 +92,36 @@ def _unseen_write(shape, before, now) -> MmdtrError:
         'copy (t = t.clone()) once the scope has closed.')
 
 
+def _reach(meta) -> int:
+    """Bytes of its storage a view with ``meta`` (see ``view_meta``) reads,
+    from the storage's start."""
+    dtype, shape, stride, offset = meta
+    if 0 in shape:
+        return 0
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    return (last + 1) * dtype.itemsize
+
+
+def _shrunk(t) -> bool:
+    """Whether a plain strided tensor's storage no longer covers its view
+    (other tensors have no storage to read it from, or no strides)."""
+    if type(t) not in _PLAIN or t.layout is not torch.strided \
+            or t.is_nested or t.is_meta:
+        return False
+    return t.untyped_storage().nbytes() < _reach(view_meta(t))
+
+
+def _shrunk_unseen(shape, nbytes, reach) -> MmdtrError:
+    return MmdtrError(
+        f'a tensor of shape {tuple(shape)} that DTR needs to recompute from '
+        f'has lost memory where the engine could not see it: its storage '
+        f'has {nbytes} bytes and the tensor reads {reach} '
+        '(untyped_storage().resize_(), as FSDP frees parameters, runs '
+        'below the dispatcher). Reading it would read freed memory.',
+        'free it after backward, or restore its size and contents before '
+        'backward (R13).')
+
+
 def _written_after_close(rec, rebuildable):
     """Whether a tensor over resident ``rec`` was written after the scope
     closed (R13): then a recipe must not read it as it is. Raises if the
@@ -135,6 +165,14 @@ class Replayer:
         """Return ``rec``'s storage at ``version``, recomputing if needed
         (also if it is resident but ``stale``: written unseen, R13)."""
         storage = rec.storage()
+        if storage is not None and storage.nbytes() != rec.nbytes:
+            # resized below the dispatcher (a seen resize updates nbytes):
+            # its bytes are not the recorded ones; rebuilt for this use, as
+            # a storage written after the scope is (R13)
+            if not rec.recomputable(version):
+                raise _shrunk_unseen((rec.nbytes, ), storage.nbytes(),
+                                     rec.nbytes)
+            stale = True
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
             return storage
@@ -235,6 +273,10 @@ class Replayer:
                     '(tensor.data = ...) during the step.',
                     'write into it in place (tensor.data.copy_(...)), or '
                     'swap it outside the DTR scope.')
+            if _shrunk(t):  # freed below the dispatcher (R13)
+                raise _shrunk_unseen(t.shape,
+                                     t.untyped_storage().nbytes(),
+                                     _reach(view_meta(t)))
             return detached_alias(t) if t.requires_grad else t
         if isinstance(a, SelfRef):
             return view_of(self_storage, a.meta, self_storage.device)

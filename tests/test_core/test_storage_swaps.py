@@ -1,4 +1,5 @@
-"""Storages and views swapped under a tensor (``set_``, ``.data = ...``).
+"""Storages and views swapped under a tensor (``set_``, ``.data = ...``),
+and storages resized below the dispatcher.
 
 No bytes change, but a tensor points at other ones: eager's backward reads
 what its saved tensors point at now; the engine holds the storage of the
@@ -114,3 +115,43 @@ def test_saved_tensor_given_another_storage_is_refused(new):
         h.data = torch.zeros(8, 8) if new == 'storage' else h.data.t()
         with pytest.raises(MmdtrError, match=r'\.data = \.\.\.'):
             y.sum().backward()
+
+
+def test_activation_freed_below_the_dispatcher_is_rebuilt(same_under_dtr):
+    # untyped_storage().resize_(0) moves no counter and is no dispatcher
+    # op: a rebuild of relu(a) read a's freed bytes (wrong gradients, found
+    # by an adversarial search); the version relu read is rebuilt (R13)
+    ws = [torch.randn(16, 16, requires_grad=True) for _ in range(4)]
+    x = torch.randn(8, 16)
+    kept = []
+
+    def step():
+        for w in ws:
+            w.grad = None
+        h = x
+        for i, w in enumerate(ws):
+            a = h @ w
+            h = a.relu()  # saves its output: eager never reads a again
+            if i == 1:
+                a.untyped_storage().resize_(0)
+                kept.append(a)
+        h.sum().backward()
+        return [w.grad for w in ws]
+
+    stats = same_under_dtr(step)
+    assert stats.recomputations > 0
+    assert kept[-1].untyped_storage().nbytes() == 0  # the user's, as left
+
+
+def test_input_freed_below_the_dispatcher_is_refused():
+    # eager never reads x after x * 2; a rebuild of x * 2 would read freed
+    # memory (a segfault before the fix): refused instead (R13)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        y = ((x * 2).tanh() @ w).sum()  # tanh's output is rebuilt from x
+        x.untyped_storage().resize_(0)
+        with pytest.raises(
+                MmdtrError, match='has 0 bytes and the tensor '
+                'reads 512'):
+            y.backward()
