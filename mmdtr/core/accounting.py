@@ -107,9 +107,12 @@ class Accounting:
         return wref
 
     def _on_free(self, wref):
-        """A registered storage was freed (evicted or dropped): account."""
-        rec = self.records.pop(wref.cdata, None)
-        if rec is not None and rec.wref is wref:
+        """A registered storage was freed (evicted or dropped): account.
+        Any thread may free it (R12)."""
+        with self.lock:
+            rec = self.records.pop(wref.cdata, None)
+            if rec is None or rec.wref is not wref:
+                return
             self.in_use -= rec.nbytes
             rec.cdata = rec.wref = None
             if rec.cand_index >= 0:
@@ -141,6 +144,7 @@ class Accounting:
                                                  self._on_transient_free)
 
     def _on_transient_free(self, wref):
-        if self.transients.get(wref.cdata) is wref:
-            del self.transients[wref.cdata]
-            self.in_use -= wref.nbytes
+        with self.lock:  # any thread may free it (R12)
+            if self.transients.get(wref.cdata) is wref:
+                del self.transients[wref.cdata]
+                self.in_use -= wref.nbytes

@@ -30,9 +30,21 @@ class _DTRDispatchMode(TorchDispatchMode):
         self.state = state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t not in _PLAIN for t in types):  # subclasses: kept as is
-            return self.state.on_subclass_op(func, args, kwargs or {})
-        return self.state.on_op(func, args, kwargs or {})
+        with self.state.lock:  # (R12)
+            if any(t not in _PLAIN for t in types):  # subclasses: as they are
+                return self.state.on_subclass_op(func, args, kwargs or {})
+            return self.state.on_op(func, args, kwargs or {})
+
+
+def _locked(lock, method):
+    """``method`` as a saved-tensor hook that holds ``lock``: autograd may
+    unpack in another thread than the engine's (R12)."""
+
+    def hook(value):
+        with lock:
+            return method(value)
+
+    return hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +143,7 @@ class DTR:
                             self.device)
         mode = _DTRDispatchMode(state)
         hooks = torch.autograd.graph.saved_tensors_hooks(
-            state.pack, state.unpack)
+            _locked(state.lock, state.pack), _locked(state.lock, state.unpack))
         mode.__enter__()
         try:
             hooks.__enter__()
@@ -177,7 +189,8 @@ class DTR:
     def stats(self) -> DTRStats:
         """Statistics: live while active, final after exit."""
         if self._state is not None:
-            return self._snapshot(self._state)
+            with self._state.lock:  # (R12)
+                return self._snapshot(self._state)
         if self._stats is None:
             raise MmdtrError('this DTR engine has not run yet.',
                              'Read stats inside or after a `with` block.')

@@ -10,6 +10,7 @@ The rules
 cited as R1..R13 are in docs/design.md.
 """
 import random
+import threading
 
 import torch
 
@@ -110,6 +111,9 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         self.remat_seconds = 0.0
         self.closed = False
         self._sampler = random.Random(0)  # never torch's RNG (R6)
+        # held by every entry (an op, a save, an unpack, a free): autograd
+        # may run a graph's backward in another thread (R12)
+        self.lock = threading.RLock()
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
@@ -278,6 +282,10 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
 
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""
+        with self.lock:
+            self._close()
+
+    def _close(self):
         self.closed = True
         for rec in self.records.values():
             rec.close_versions()  # later writes are unseen (R13)

@@ -297,4 +297,5 @@ class Recipes:
                 entry[0].add(rec)
 
     def _forget_external(self, wref):
-        self.external_users.pop(wref.cdata, None)
+        with self.lock:  # any thread may free it (R12)
+            self.external_users.pop(wref.cdata, None)

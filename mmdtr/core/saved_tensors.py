@@ -69,7 +69,8 @@ class SavedHandle:
         self.cdata = record.cdata
 
     def __del__(self):
-        self.state.release(self.record)
+        with self.state.lock:  # autograd may drop it in any thread (R12)
+            self.state.release(self.record)
 
 
 class HeldSaved:

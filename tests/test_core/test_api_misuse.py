@@ -3,7 +3,9 @@ nested engines, a context manager exited without being entered, unknown
 switches, bad arguments, abstract policies and unsupported devices each
 raise a clear :class:`MmdtrError`."""
 import importlib
+import queue
 import re
+import sys
 import threading
 import types
 
@@ -126,6 +128,54 @@ def test_an_engine_in_another_thread_is_allowed(chain):
     assert not isinstance(result, BaseException), result
     assert torch.equal(result[0], g_ref) and result[1] > 0
     assert outer.stats.evictions > 0
+    assert_thread_clean()
+
+
+def test_backward_in_another_thread_while_the_engine_runs():
+    # a graph built under the engine, backpropagated by a worker thread
+    # while the engine's thread goes on: unpacks, rebuilds and frees came
+    # from both threads at once and broke the engine's tables (IndexError,
+    # a candidate's cdata None; found by an adversarial search); the
+    # state's lock serializes them (R12)
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(8)]
+    xs = [torch.randn(32, 64) for _ in range(60)]
+
+    def loss_of(x):
+        h = x
+        for w in ws:
+            h = (h @ w).tanh()
+        return h.pow(2).sum()
+
+    refs = [torch.autograd.grad(loss_of(x), ws) for x in xs]
+    losses, grads, errors = queue.Queue(), {}, []
+
+    def work():
+        while (item := losses.get()) is not None:
+            try:
+                grads[item[0]] = torch.autograd.grad(item[1], ws)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=work)
+    try:
+        thread.start()
+        with DTR(eviction_threshold=30000, evictee_minimum_size=1) as e:
+            for i, x in enumerate(xs):
+                losses.put((i, loss_of(x)))
+            losses.put(None)
+            thread.join()
+    finally:
+        losses.put(None)
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    assert sorted(grads) == list(range(len(xs)))
+    for i, ref in enumerate(refs):
+        assert all(torch.equal(a, b) for a, b in zip(grads[i], ref)), i
+    assert e.stats.recomputations > 0
     assert_thread_clean()
 
 
