@@ -179,8 +179,8 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
             return out
         if self.limit is not None and memory > self.limit:
             self.evict_until()
-        elif self.limit != self.threshold and memory <= self.threshold:
-            self.limit = self.threshold  # reachable again
+        elif self.limit != self.threshold:
+            self.lower_limit(memory)
         return out
 
     def on_subclass_op(self, func, args, kwargs):

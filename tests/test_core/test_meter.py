@@ -70,6 +70,35 @@ def test_profiled_peak_stays_within_threshold_plus_largest_op():
         assert profiled < baseline
 
 
+def test_limit_raised_at_a_spike_follows_memory_down():
+    # tensors held from Python above the threshold and a passing 16 MiB
+    # temporary: the limit, raised at the spike, stayed there until memory
+    # fell below the threshold, so a forward after it grew to 25 MiB with
+    # 40 storages left evictable (found by an adversarial search)
+    torch.manual_seed(0)
+    ws = [torch.randn(256, 256, requires_grad=True) for _ in range(40)]
+    x = torch.randn(256, 256)  # each activation 256 KiB
+    threshold = 2 * 2**20
+    in_use = {}
+    for spike in (False, True):
+        with DTR(
+                eviction_threshold=threshold,
+                evictee_minimum_size=1) as engine:
+            held = torch.randn(5 * 2**17) * 1  # 2.5 MiB, kept
+            if spike:
+                torch.randn(2**21).mul(2)  # 8 MiB, dropped at once
+            h = x
+            for w in ws:
+                h = (h @ w).tanh()
+            in_use[spike] = engine._state.memory_in_use()
+            h.sum().backward()
+        assert engine.stats.evictions > 0
+        del held
+    # the floor (held, the current op's tensors) plus an eighth of the
+    # threshold, with or without the spike
+    assert in_use[True] == in_use[False] < threshold * 2
+
+
 class _ResidualBlock(nn.Module):
 
     def __init__(self):
