@@ -23,6 +23,8 @@ import types
 from typing import Callable, Dict, List
 
 from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.runner import get_priority
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
@@ -111,7 +113,7 @@ def translate_memory_keys(cfg: Config) -> Config:
     """
     _refuse_near_misses(cfg)
     hooks = []
-    custom_hooks = list(cfg.get('custom_hooks', None) or [])
+    custom_hooks = _custom_hooks(cfg.get('custom_hooks', None))
     for name, translate in MEMORY_KEY_TRANSLATORS.items():
         value = cfg.get(name, None)
         if value is None:
@@ -136,6 +138,58 @@ def translate_memory_keys(cfg: Config) -> Config:
     source = getattr(cfg, SOURCE_ATTR, None) if not hooks else None
     object.__setattr__(out, SOURCE_ATTR, source or copy.deepcopy(cfg))
     return out
+
+
+def _custom_hooks(value) -> list:
+    """``custom_hooks`` as a list, refused unless it is a list of hook
+    configs (dicts with a type, or hooks) of types that exist and valid
+    priorities; MMEngine would fail on them later, in a traceback (a dict
+    without its brackets was read as the list of its keys)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise MmdtrError(
+            f'custom_hooks={value!r} is not accepted: MMEngine takes a list '
+            'of hook configs.',
+            hint="write custom_hooks=[dict(type='mmdtr.DTRHook', "
+            "eviction_threshold='5GB')], in brackets, or use the memory "
+            'keys (dtr=dict(eviction_threshold=...)).')
+    for i, hook in enumerate(value):
+        if isinstance(hook, Hook):
+            continue
+        if not isinstance(hook, dict) or 'type' not in hook:
+            raise MmdtrError(
+                f'custom_hooks[{i}]={hook!r} is not accepted: a hook config '
+                'is a dict with a type (or a Hook object).',
+                hint="e.g. dict(type='mmdtr.DTRHook', "
+                "eviction_threshold='5GB').")
+        _check_hook_type(i, hook['type'])
+        if 'priority' in hook:
+            try:
+                get_priority(hook['priority'])
+            except (KeyError, TypeError, ValueError):
+                raise MmdtrError(
+                    f'custom_hooks[{i}]: priority={hook["priority"]!r} is '
+                    'not accepted.',
+                    hint="an int from 0 to 100, or a name of MMEngine's "
+                    "Priority such as 'NORMAL' or 'LOW'.") from None
+    return list(value)
+
+
+def _check_hook_type(i: int, name) -> None:
+    """Refuse a hook type that is not registered and is mmdtr's
+    (``'mmdtr.X'``) or close to one of mmdtr's hooks; other scopes are
+    left to MMEngine (their registries may not be imported yet)."""
+    if not isinstance(name, str) or HOOKS.get(name) is not None:
+        return
+    scope, _, short = name.rpartition('.')
+    ours = sorted(HOOKS.module_dict)
+    close = difflib.get_close_matches(short, ours, n=1, cutoff=0.8)
+    if scope == 'mmdtr' or close:
+        raise MmdtrError(
+            f'custom_hooks[{i}]: type={name!r} is not a registered hook.',
+            hint=f"mmdtr's hooks are {ours}" +
+            (f'; closest match: {close[0]!r}.' if close else '.'))
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:

@@ -71,7 +71,9 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
       through the engine's dispatch mode, which fails inside PyTorch;
     - ``model_wrapper_cfg.dtr`` together with the ``dtr`` key or a
       :class:`DTRHook` (configured twice), or without a launcher (MMEngine
-      wraps the model only when distributed, so it would be ignored).
+      wraps the model only when distributed, so it would be ignored), or
+      with values the engine refuses (checked here, not when the model is
+      wrapped after the process group is set up).
 
     Args:
         cfg (Config): The config.
@@ -104,6 +106,7 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
             'in distributed training, so DTR would be off.',
             hint='use the top-level dtr key, which works with and without '
             'a launcher.')
+    dtr_settings(by_wrapper, 'model_wrapper_cfg.dtr')  # its values, now
 
 
 @HOOKS.register_module()

@@ -135,7 +135,8 @@ WRAPPER = dict(
 
 
 @pytest.mark.parametrize(
-    'keys, match', [
+    'keys, match',
+    [
         (dict(custom_hooks=[dict(type='DTRHook', eviction_threshold='1XB')]),
          r"custom_hooks\[0\].*'1XB' is not a size"),
         (dict(custom_hooks=[dict(type='mmdtr.ActivationCheckpointingHook')]),
@@ -163,11 +164,47 @@ WRAPPER = dict(
          "is it the 'activation_checkpointing' key"),
         (dict(efficient_conv_bn=['backbone']),
          "is it the 'efficient_conv_bn_eval' key"),
+        # the cases below ended in MMEngine's tracebacks at the build (found
+        # by an adversarial search): a dict without its brackets was read
+        # as the list of its keys
+        (dict(
+            custom_hooks=dict(type='mmdtr.DTRHook', eviction_threshold='1GB')),
+         'custom_hooks=.* is not accepted: MMEngine takes a list'),
+        (dict(custom_hooks='DTRHook'), 'takes a list'),
+        (dict(custom_hooks=['mmdtr.DTRHook']),
+         r'custom_hooks\[0\]=.*a dict with a type'),
+        (dict(custom_hooks=[dict(eviction_threshold='1GB')]),
+         r'custom_hooks\[0\]=.*a dict with a type'),
+        (dict(custom_hooks=[
+            dict(type='CheckpointHook', interval=1),
+            dict(type='mmdtr.DTRHok', eviction_threshold='1GB')
+        ]), r"custom_hooks\[1\]: type='mmdtr.DTRHok' is not a registered"
+         r".*closest match: 'DTRHook'"),
+        (dict(custom_hooks=[dict(type='DTRHok', eviction_threshold='1GB')]),
+         "type='DTRHok' is not a registered"),
+        (dict(custom_hooks=[
+            dict(
+                type='mmdtr.DTRHook',
+                eviction_threshold='1GB',
+                priority='NOPE')
+        ]), r"custom_hooks\[0\]: priority='NOPE' is not accepted"),
+        (dict(custom_hooks=[
+            dict(type='CheckpointHook', interval=1, priority=-5)
+        ]), r'custom_hooks\[0\]: priority=-5 is not accepted'),
+        (dict(
+            model_wrapper_cfg=dict(WRAPPER, dtr=dict(eviction_threshold='3X')),
+            launcher='pytorch'), "'3X' is not a size"),
+        (dict(
+            model_wrapper_cfg=dict(WRAPPER, dtr=dict(eviction_treshold=1)),
+            launcher='pytorch'), 'eviction_treshold'),
     ],
     ids=[
         'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
         'key_and_wrapper', 'wrapper_alone', 'upper_case', 'suffix',
-        'checkpoint_typo', 'conv_bn_typo'
+        'checkpoint_typo', 'conv_bn_typo', 'hooks_a_dict', 'hooks_a_string',
+        'hook_a_string', 'hook_without_type', 'hook_type_typo',
+        'hook_type_near_ours', 'hook_priority_name', 'hook_priority_range',
+        'wrapper_bad_size', 'wrapper_sub_key_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):
