@@ -18,6 +18,8 @@ config has ``runner_type``, with ``RUNNERS.build(cfg)``, which calls
 :meth:`MMDTRRunner.from_cfg`; translation is idempotent, so a config that
 ``tools/train.py`` already translated is not translated again.
 """
+import difflib
+import inspect
 import os.path as osp
 from typing import Dict, Optional, Union
 
@@ -121,11 +123,89 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
         MmdtrError: On a setting that is not accepted.
     """
     distributed = cfg.get('launcher', 'none') not in (None, 'none')
-    for wrapper in _wrapper_cfgs(cfg.get('optim_wrapper', None)):
+    optim_wrapper = cfg.get('optim_wrapper', None)
+    if optim_wrapper is not None and not isinstance(optim_wrapper, dict):
+        raise MmdtrError(
+            f'optim_wrapper={optim_wrapper!r} is not accepted: MMEngine '
+            'takes a dict (or a dict of them, one per optimizer).',
+            hint="e.g. optim_wrapper=dict(type='OptimWrapper', "
+            "optimizer=dict(type='SGD', lr=0.01)); on the command line "
+            'set its keys: optim_wrapper.type=InplaceOptimWrapper.')
+    # a custom constructor may read keys of its own, in its own way
+    default = _default_constructor(optim_wrapper or {})
+    for wrapper in _wrapper_cfgs(optim_wrapper):
         if _is_inplace(wrapper.get('type')):
             check_wrapper_config(wrapper, distributed)
-        elif 'accumulative_counts' in wrapper:
+            continue
+        if default and _default_constructor(wrapper) and (
+                'type' in wrapper or 'optimizer' in wrapper):
+            _check_wrapper_keys(wrapper, cfg.get('default_scope', None))
+        if 'accumulative_counts' in wrapper:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
+
+
+#: keys of an optimizer-wrapper config that MMEngine's builder reads itself
+_BUILDER_KEYS = ('type', 'optimizer', 'constructor', 'paramwise_cfg',
+                 '_scope_')
+
+
+def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
+    """Refuse a wrapper type of mmdtr's or MMEngine's scope that is not
+    registered while close to one that is (``InplaceOptimWrapperr``), and
+    keys the wrapper does not take (``accumulative_count``): MMEngine's
+    default constructor would fail on either in ``runner.train()``, in a
+    traceback. Other scopes' types are left to MMEngine (their registries
+    may not be imported yet)."""
+    from mmdtr.registry import OPTIM_WRAPPERS
+    wrapper_type = wrapper.get('type', 'OptimWrapper')
+    cls = wrapper_type if isinstance(wrapper_type, type) else \
+        OPTIM_WRAPPERS.get(wrapper_type)
+    if cls is None:
+        scope, _, name = str(wrapper_type).rpartition('.')
+        if (scope or default_scope) not in (None, 'mmdtr', 'mmengine'):
+            return
+        known = sorted(
+            {*OPTIM_WRAPPERS.module_dict, *OPTIM_WRAPPERS.parent.module_dict})
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            raise MmdtrError(
+                f'optim_wrapper type={wrapper_type!r} is not registered.',
+                hint=f'closest match: {close[0]!r}; registered: {known}.')
+        return  # not close to any: MMEngine names it
+    accepted = {*_BUILDER_KEYS, *_init_parameters(cls)} - {'self'}
+    unknown = [k for k in wrapper if k not in accepted]
+    if unknown:
+        close = {
+            k: difflib.get_close_matches(str(k), sorted(accepted), n=1)
+            for k in unknown
+        }
+        raise MmdtrError(
+            f'optim_wrapper keys {unknown} are not accepted by '
+            f'{cls.__name__}: it takes {sorted(accepted)}.',
+            hint=f'closest matches: {close}.')
+
+
+def _default_constructor(wrapper: dict) -> bool:
+    constructor = wrapper.get('constructor', None)
+    return constructor is None or str(constructor).split(
+        '.')[-1] == 'DefaultOptimWrapperConstructor'
+
+
+def _init_parameters(cls) -> set:
+    """Parameter names of ``cls.__init__`` and, through ``**kwargs``, of
+    its bases'."""
+    names = set()
+    for klass in cls.__mro__:
+        if '__init__' not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {
+            p.name
+            for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 @RUNNERS.register_module()
