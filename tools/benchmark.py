@@ -23,7 +23,8 @@ from typing import Optional
 from mmengine.config import Config
 
 from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, OPTIMIZERS,
-                                BenchmarkSuite, Launcher, load_config)
+                                BenchmarkSuite, Launcher, check_workload,
+                                load_config)
 from mmdtr.benchmarking.arguments import (check_device, check_numbers,
                                           check_threshold, parse_match)
 from mmdtr.benchmarking.launch import default_launcher
@@ -332,6 +333,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.cfg_options, args.image_size,
                       args.seq_len)
     suite = build_suite(args, cfg, work_dir)
+    check_workload(cfg)
     commands = (('sweep', 'compare',
                  'largest-batch') if args.command == 'all' else
                 (args.command, ))

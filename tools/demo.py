@@ -10,10 +10,12 @@ recomputations come from the log. Time per iteration is the median over the
 iterations after the profiled one.
 """
 import argparse
+import copy
 import os.path as osp
 import statistics
 import sys
 import tempfile
+import types
 
 from mmengine.hooks import Hook
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +26,7 @@ from mmdtr.adapters.config_translation import (  # noqa: E402
 from mmdtr.adapters.runner import MMDTRRunner  # noqa: E402
 from mmdtr.core.sizes import format_size  # noqa: E402
 from mmdtr.errors import MmdtrError  # noqa: E402
+from mmdtr.registry import HOOKS, MODELS  # noqa: E402
 from mmdtr.utils import cfg_options  # noqa: E402
 from mmdtr.utils.profiler_memory import memory_deltas  # noqa: E402
 
@@ -99,8 +102,10 @@ def parse_args(argv=None):
 def build_cfg(args):
     """Read and check the config before anything trains.
 
-    Both runs' configs are translated here, so a bad memory key (e.g.
-    ``dtr.eviction_threshold=3XB``) is refused before the baseline trains.
+    Both runs' configs are translated here, and the module names the
+    hooks select checked on the model, so a bad memory key (e.g.
+    ``dtr.eviction_threshold=3XB``, ``activation_checkpointing=nothing``)
+    is refused before the baseline trains.
 
     Args:
         args (argparse.Namespace): The parsed arguments.
@@ -136,9 +141,25 @@ def build_cfg(args):
             'the baseline with.',
             hint='turn one on, e.g. --cfg-options '
             'dtr.eviction_threshold=200MB.')
-    translate_memory_keys(cfg)
+    _check_module_names(translate_memory_keys(cfg))
     translate_memory_keys(_without_features(cfg))
     return cfg, features
+
+
+def _check_module_names(cfg) -> None:
+    """Run the name checks that the hooks selecting modules run in
+    ``before_run`` on the model, built once here, so that a typo
+    (``activation_checkpointing=backbone.layr2``) is refused before the
+    baseline trains, not after it."""
+    hooks = [
+        HOOKS.build(copy.deepcopy(h)) for h in cfg.custom_hooks
+        if isinstance(h, dict)
+    ]
+    selecting = [hook for hook in hooks if hasattr(hook, 'modules')]
+    if selecting:
+        runner = types.SimpleNamespace(model=MODELS.build(cfg.model))
+        for hook in selecting:
+            hook.before_run(runner)
 
 
 def demo(args) -> None:

@@ -33,6 +33,29 @@ if [ ! -f "$CONFIG" ]; then
         "Hint: give the path of a config file, e.g. configs/demo_dtr.py." >&2
     exit 1
 fi
+for NAME in NNODES NODE_RANK PORT; do
+    VALUE=${!NAME}
+    if ! [[ "$VALUE" =~ ^[0-9]+$ ]] || { [ "$NAME" = NNODES ] && \
+            [ "$VALUE" -lt 1 ]; }; then
+        echo "MmdtrError: mmdtr: $NAME '$VALUE' is not accepted; accepted:" \
+            "a non-negative integer (NNODES: positive)." \
+            "Hint: e.g. NNODES=1 NODE_RANK=0 PORT=29500." >&2
+        exit 1
+    fi
+done
+if [[ "$NPROC" =~ ^(gpu|xpu)$ ]] && ! $PYTHON -c "import sys, torch; \
+        sys.exit(not getattr(torch, '$NPROC'.replace('gpu', 'cuda')).is_available())" \
+        2>/dev/null; then
+    echo "MmdtrError: mmdtr: NPROC '$NPROC': no ${NPROC^^} is available" \
+        "here. Hint: give a number of processes, or cpu." >&2
+    exit 1
+fi
+
+# the config and the arguments, checked once: from the ranks, an error
+# would come once per rank and end in torchrun's traceback
+PYTHONPATH="$(dirname "$0")/..":$PYTHONPATH \
+$PYTHON "$(dirname "$0")/train.py" "$CONFIG" --launcher pytorch \
+    --check-config "${@:3}" || exit 1
 
 PYTHONPATH="$(dirname "$0")/..":$PYTHONPATH \
 $PYTHON -m torch.distributed.run \

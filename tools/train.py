@@ -14,6 +14,7 @@ import sys
 
 from mmengine.config import Config
 from mmengine.registry import RUNNERS
+from mmengine.runner import BaseLoop
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.distributed import close_dist
@@ -56,6 +57,12 @@ def parse_args(argv=None):
         choices=['none', 'pytorch', 'slurm', 'mpi'],
         default='none',
         help='job launcher')
+    parser.add_argument(
+        '--check-config',
+        action='store_true',
+        help='check the config and the arguments, then exit without '
+        'training (tools/dist_train.sh does this once before it starts '
+        'torchrun)')
     # When using PyTorch version >= 2.0.0, the `torch.distributed.launch`
     # will pass the `--local-rank` parameter to `tools/train.py` instead
     # of `--local_rank`.
@@ -143,10 +150,18 @@ def build_runner(cfg: Config):
     return MMDTRRunner.from_cfg(cfg)
 
 
+def _iterations_run(runner) -> int:
+    """Training iterations done (the loop is not built by asking)."""
+    loop = getattr(runner, '_train_loop', None)
+    return getattr(loop, 'iter', 0) if isinstance(loop, BaseLoop) else 0
+
+
 def main(argv=None):
     try:
         args = parse_args(argv)
         cfg = build_cfg(args)
+        if args.check_config:
+            return
         runner = build_runner(cfg)
     except MmdtrError as e:
         close_dist(wait=False)  # a runner may have made the group
@@ -154,6 +169,14 @@ def main(argv=None):
         sys.exit(1)
     try:
         runner.train()
+    except MmdtrError as e:
+        close_dist(wait=False)  # before the interpreter exits: see there
+        if _iterations_run(runner):
+            raise  # the traceback helps, if it is the engine's
+        # a setting checked against the model (a module name) before the
+        # first iteration: one line, as the config's own checks
+        print(f'{type(e).__name__}: {e}', file=sys.stderr)
+        sys.exit(1)
     except BaseException:
         close_dist(wait=False)  # before the interpreter exits: see there
         raise

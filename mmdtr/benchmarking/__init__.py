@@ -7,12 +7,13 @@ from .launch import LAUNCHERS, Launcher, Progress
 from .suite import ALTERNATIVES, BenchmarkSuite, largest_fitting
 from .worker import make_spec, run_spec
 from .workloads import (DEFAULT_BLOCKS, NO_EVICTION, OPTIMIZERS, TECHNIQUES,
-                        Workload, apply_technique, block_names,
+                        Workload, apply_technique, block_names, check_workload,
                         checkpoint_segments, load_config, split_even)
 
 __all__ = [
     'LAUNCHERS', 'Launcher', 'Progress', 'ALTERNATIVES', 'BenchmarkSuite',
     'largest_fitting', 'make_spec', 'run_spec', 'DEFAULT_BLOCKS',
     'NO_EVICTION', 'OPTIMIZERS', 'TECHNIQUES', 'Workload', 'apply_technique',
-    'block_names', 'checkpoint_segments', 'load_config', 'split_even'
+    'block_names', 'check_workload', 'checkpoint_segments', 'load_config',
+    'split_even'
 ]

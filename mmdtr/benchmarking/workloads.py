@@ -40,6 +40,9 @@ DEFAULT_BLOCKS: Dict[str, str] = {
 OPTIMIZERS = ('sgd', 'sgd_in_backward', 'none')
 TECHNIQUES = ('baseline', 'dtr', 'dispatch_floor', 'checkpoint_sqrt',
               'mmengine_ac', 'mmdtr_ac')
+#: The keys of a config a workload reads (``--cfg-options`` on others are
+#: refused).
+READ_KEYS = ('model', 'train_dataloader')
 #: A threshold no workload reaches: DTR meters but never evicts.
 NO_EVICTION = 2**62
 
@@ -61,12 +64,23 @@ def load_config(config: str,
         Config: The config.
 
     Raises:
-        MmdtrError: If the file is missing, ``cfg_options`` cannot be
-            merged, the config has no ``model`` or no
+        MmdtrError: If the file is missing, ``cfg_options`` set keys
+            other than :data:`READ_KEYS` or cannot be merged, the config
+            has no ``model`` or no
             ``train_dataloader.dataset`` dict, or an override does not
             apply to the dataset.
     """
     cfg = read_config(config)
+    unread = sorted({str(k).split('.')[0]
+                     for k in cfg_options or {}} - set(READ_KEYS))
+    if unread:
+        raise MmdtrError(
+            f'--cfg-options on {unread} would be ignored: a workload reads '
+            f'only {list(READ_KEYS)} of the config; the techniques, the '
+            'optimizer and DTR come from the command and its options.',
+            hint='set DTR with --thresholds/--fractions, --policy and '
+            '--evictee-minimum-size, the optimizer with --optimizer (see '
+            '--help).')
     if cfg_options:
         merge_cfg_options(cfg, cfg_options)
     loader = cfg.get('train_dataloader')
@@ -95,6 +109,28 @@ def load_config(config: str,
             seq_len:
         cfg.model.max_seq_len = seq_len
     return cfg
+
+
+def check_workload(cfg: Config) -> None:
+    """Build the model and the dataset of ``cfg`` once and drop them, so
+    that a bad override (``--cfg-options model.depth=abc``) is refused
+    before any run instead of failing every run.
+
+    Raises:
+        MmdtrError: If either cannot be built.
+    """
+    for key, value, registry in (('model', cfg.model, MODELS),
+                                 ('train_dataloader.dataset',
+                                  cfg.train_dataloader.dataset, DATASETS)):
+        try:
+            registry.build(value)
+        except MmdtrError:
+            raise
+        except Exception as e:  # noqa: B902 - any build error, reported
+            raise MmdtrError(
+                f'{key} of the config cannot be built: '
+                f'{type(e).__name__}: {e}',
+                hint='check the config and its --cfg-options.') from None
 
 
 def block_names(model: nn.Module, pattern: Optional[str] = None) -> List[str]:

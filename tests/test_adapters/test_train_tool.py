@@ -79,6 +79,22 @@ def test_train_and_resume_end_to_end(toy_config, tmp_path, run_train):
     assert ckpt['meta']['iter'] == 3
 
 
+def test_module_name_typo_fails_in_one_line(toy_config, tmp_path, run_train):
+    # checked against the model when training starts, before the first
+    # iteration: it ended in a traceback (found by an adversarial search)
+    proc = run_train([
+        toy_config, '--work-dir', 'wd', '--cfg-options',
+        'custom_imports.imports=[toy_classifier]',
+        'activation_checkpointing=backbon'
+    ])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines[-1].startswith('MmdtrError: mmdtr: activation_checkpointing'
+                                ': no sub-module'), proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr
+    assert not list((tmp_path / 'wd').glob('*.pth'))  # no iteration ran
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
 def test_amp_on_cpu_is_a_clear_error(toy_config, tmp_path, run_train):
     proc = run_train([toy_config, '--amp'])
@@ -269,6 +285,58 @@ def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
         timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert f'--nproc_per_node={nproc}' in proc.stdout
+
+
+@pytest.mark.parametrize('name, value', [('NNODES', '0'), ('NNODES', 'x'),
+                                         ('NODE_RANK', '-1'), ('PORT', 'abc')])
+def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
+    # torchrun ended in a traceback (found by an adversarial search)
+    proc = subprocess.run(
+        ['bash',
+         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, '1'],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHON='false', **{name: value}),
+        capture_output=True,
+        text=True,
+        timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        f"MmdtrError: mmdtr: {name} '{value}' is not accepted")
+    assert proc.stderr.count('\n') == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
+def test_dist_train_refuses_gpu_without_one(toy_config, tmp_path):
+    proc = subprocess.run(
+        ['bash',
+         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, 'gpu'],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == ("MmdtrError: mmdtr: NPROC 'gpu': no GPU is "
+                           'available here. Hint: give a number of '
+                           'processes, or cpu.\n')
+
+
+def test_dist_train_checks_the_config_once(toy_config, tmp_path,
+                                           subprocess_env):
+    # each rank refused it, then torchrun ended in its traceback
+    proc = subprocess.run([
+        'bash',
+        osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, '2',
+        '--cfg-options', 'dtr.eviction_threshold=3XB'
+    ],
+                          cwd=str(tmp_path),
+                          env=subprocess_env(),
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith('MmdtrError: mmdtr: dtr='), proc.stderr
+    assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
+    assert not (tmp_path / 'work_dirs').exists()
 
 
 def test_dist_train_refuses_a_missing_config(tmp_path):

@@ -81,15 +81,26 @@ def canned(tool, monkeypatch, canned_launcher):
 
 QUIET = ['--no-prime', '--no-progress']
 
-BAD_INPUT = [(config, argv, None, match, 'sweep') for config, argv, match in (
-    ('/nonexistent.py', [], 'does not exist'),
-    ('x = 1', [], 'has no model dict'),
-    ('model = dict(type="A")\n'
-     'train_dataloader = dict(dataset=dict())', [],
-     'batch_size=None .* not a positive int'),
-    (RESNET, ['--cfg-options', 'model.depth'], 'KEY=VALUE'),
-    (RESNET, ['--cfg-options', 'model.depth.x=1'], 'cannot be merged'),
-)]
+BAD_INPUT = [
+    (config, argv, None, match, 'sweep') for config, argv, match in (
+        ('/nonexistent.py', [], 'does not exist'),
+        ('x = 1', [], 'has no model dict'),
+        ('model = dict(type="A")\n'
+         'train_dataloader = dict(dataset=dict())', [],
+         'batch_size=None .* not a positive int'),
+        (RESNET, ['--cfg-options', 'model.depth'], 'KEY=VALUE'),
+        (RESNET, ['--cfg-options', 'model.depth.x=1'], 'cannot be merged'),
+        # ignored, or failing in every run, before (an adversarial search)
+        (RESNET, ['--cfg-options', 'dtr.eviction_threshold=3XB'],
+         r"on \['dtr'\] would be ignored"),
+        (RESNET, ['--cfg-options', 'optim_wrapper.accumulative_counts=2'],
+         r"on \['optim_wrapper'\] would be ignored"),
+        (RESNET, ['--cfg-options', 'model.depth=abc'],
+         'ResNet depth must be one of'),
+        (RESNET, ['--cfg-options', 'model.type=ResNet50Classifer'],
+         'model of the config cannot be built: KeyError'),
+    )
+]
 BAD_INPUT += [(RESNET, [], results, match, command) for results, match in (
     ('{"meta": {}, "sweep": ', 'cannot be read as JSON'),
     ('{"sweep": {"runs": []}}', 'sweep.settings is not an obj'),

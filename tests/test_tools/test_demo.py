@@ -19,11 +19,14 @@ RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
     (['--cfg-options', 'dtr.eviction_threshold=3XB'], "'3XB' is not a size"),
     (['--cfg-options', 'dtr.evict=1'], 'dtr.evict is not a DTR setting'),
     ([RESNET], 'none of the memory keys'),
+    (['--cfg-options', 'activation_checkpointing=bakbone'], "'bakbone'"),
+    (['--cfg-options', 'efficient_conv_bn_eval=[bakbone]'], "'bakbone'"),
 ])
 def test_bad_input_fails_before_training(demo, monkeypatch, capsys, argv,
                                          match):
-    # a bad memory key was found only after the baseline had trained; a
-    # config without memory keys trained twice and printed a row "with"
+    # a bad memory key (a module name too, checked on the model) was found
+    # only after the baseline had trained; a config without memory keys
+    # trained twice and printed a row "with"
     def train(*args):
         raise AssertionError('trained before the input was checked')
 
