@@ -255,17 +255,22 @@ def test_dumped_config_keeps_the_keys_as_written(train_tool, toy_config,
               'dtr.eviction_threshold=3XB')
 
 
+def run_dist_train(cwd, *args, env=None, timeout=60):
+    """tools/dist_train.sh ARGS in ``cwd``; ``env`` overrides variables."""
+    return subprocess.run(
+        ['bash', osp.join(REPO, 'tools', 'dist_train.sh'), *args],
+        cwd=str(cwd),
+        env=dict(os.environ, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout)
+
+
 @pytest.mark.parametrize('nproc', ['0', 'abc', '-1', '1.5', '01'])
 def test_dist_train_refuses_a_bad_nproc(toy_config, nproc, tmp_path):
     # torchrun was started with it and ended in a traceback
-    proc = subprocess.run(
-        ['bash',
-         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, nproc],
-        cwd=str(tmp_path),
-        env=dict(os.environ, PYTHON='false'),  # nothing may start
-        capture_output=True,
-        text=True,
-        timeout=60)
+    proc = run_dist_train(
+        tmp_path, toy_config, nproc, env=dict(PYTHON='false'))  # no start
     assert proc.returncode == 1
     assert proc.stderr.startswith(
         f"MmdtrError: mmdtr: NPROC '{nproc}' is not accepted")
@@ -275,14 +280,11 @@ def test_dist_train_refuses_a_bad_nproc(toy_config, nproc, tmp_path):
 @pytest.mark.parametrize('nproc', ['2', 'auto', 'cpu'])
 def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
     # auto and cpu (one process per core) were refused
-    proc = subprocess.run(
-        ['bash',
-         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, nproc],
-        cwd=str(tmp_path),
-        env=dict(os.environ, PYTHON='echo'),  # prints the command instead
-        capture_output=True,
-        text=True,
-        timeout=60)
+    proc = run_dist_train(  # prints the commands instead
+        tmp_path,
+        toy_config,
+        nproc,
+        env=dict(PYTHON='echo'))
     assert proc.returncode == 0, proc.stderr
     assert f'--nproc_per_node={nproc}' in proc.stdout
 
@@ -291,14 +293,11 @@ def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
                                          ('NODE_RANK', '-1'), ('PORT', 'abc')])
 def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
     # torchrun ended in a traceback (found by an adversarial search)
-    proc = subprocess.run(
-        ['bash',
-         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, '1'],
-        cwd=str(tmp_path),
-        env=dict(os.environ, PYTHON='false', **{name: value}),
-        capture_output=True,
-        text=True,
-        timeout=60)
+    proc = run_dist_train(
+        tmp_path, toy_config, '1', env={
+            'PYTHON': 'false',
+            name: value
+        })
     assert proc.returncode == 1
     assert proc.stderr.startswith(
         f"MmdtrError: mmdtr: {name} '{value}' is not accepted")
@@ -307,13 +306,7 @@ def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
 def test_dist_train_refuses_gpu_without_one(toy_config, tmp_path):
-    proc = subprocess.run(
-        ['bash',
-         osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, 'gpu'],
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120)
+    proc = run_dist_train(tmp_path, toy_config, 'gpu', timeout=120)
     assert proc.returncode == 1
     assert proc.stderr == ("MmdtrError: mmdtr: NPROC 'gpu': no GPU is "
                            'available here. Hint: give a number of '
@@ -323,16 +316,14 @@ def test_dist_train_refuses_gpu_without_one(toy_config, tmp_path):
 def test_dist_train_checks_the_config_once(toy_config, tmp_path,
                                            subprocess_env):
     # each rank refused it, then torchrun ended in its traceback
-    proc = subprocess.run([
-        'bash',
-        osp.join(REPO, 'tools', 'dist_train.sh'), toy_config, '2',
-        '--cfg-options', 'dtr.eviction_threshold=3XB'
-    ],
-                          cwd=str(tmp_path),
-                          env=subprocess_env(),
-                          capture_output=True,
-                          text=True,
-                          timeout=300)
+    proc = run_dist_train(
+        tmp_path,
+        toy_config,
+        '2',
+        '--cfg-options',
+        'dtr.eviction_threshold=3XB',
+        env=subprocess_env(),
+        timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.startswith('MmdtrError: mmdtr: dtr='), proc.stderr
     assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
@@ -340,15 +331,8 @@ def test_dist_train_checks_the_config_once(toy_config, tmp_path,
 
 
 def test_dist_train_refuses_a_missing_config(tmp_path):
-    proc = subprocess.run([
-        'bash', osp.join(REPO, 'tools', 'dist_train.sh'), 'no.py', '1'
-    ],
-                          cwd=str(tmp_path),
-                          env=dict(os.environ, PYTHON='false'),
-                          capture_output=True,
-                          text=True,
-                          timeout=60)
+    proc = run_dist_train(tmp_path, 'no.py', '1', env=dict(PYTHON='false'))
     assert proc.returncode == 1
     assert proc.stderr == ("MmdtrError: mmdtr: config file 'no.py' does not "
                            'exist. Hint: give the path of a config file, '
-                           'e.g. configs/demo_dtr.py.\n')
+                           "e.g. configs/demo_dtr.py.\n")
