@@ -9,6 +9,7 @@ methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
 The rules
 cited as R1..R13 are in docs/design.md.
 """
+import contextlib
 import random
 import threading
 
@@ -25,6 +26,23 @@ from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
 
 _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
+# One lock for every engine (R12): a thread holding an engine's lock may
+# free a storage another engine counts, whose callback takes that one's
+# lock; with a lock per engine, two threads doing so at once deadlocked.
+# It is let go while an op's kernel runs (:func:`_released`).
+_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _released(lock):
+    """``lock`` let go for the duration (once: a reentrant hold stays)."""
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
+
+
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -113,10 +131,11 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         self._sampler = random.Random(0)  # never torch's RNG (R6)
         # held by every entry (an op, a save, an unpack, a free): autograd
         # may run a graph's backward in another thread (R12)
-        self.lock = threading.RLock()
+        self.lock = _LOCK
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
+        # called with self.lock held (the dispatch mode takes it, R12)
         if self.reach_epoch != self.swept_epoch \
                 and self.clock >= self.sweep_at:
             self._sweep()  # saved tensors were released (R10)
@@ -131,7 +150,7 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         rng = self._capture_rng(args, kwargs) if info.random else None
         counted = versions_before(writes) if info.versions_lists else None
         try:
-            out = self._run(func, args, kwargs, rng)
+            out = self._run(func, args, kwargs, rng, unlocked=True)
         except BaseException:
             self._after_failed_write(writes, info)
             raise
@@ -201,7 +220,8 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
                                    if type(w) in _PLAIN]  # what eager bumps
                                   ) if info.versions_lists else None
         try:
-            out = func(*args, **kwargs)
+            with _released(self.lock):  # a subclass's own Python runs
+                out = func(*args, **kwargs)
         except BaseException:
             self._after_failed_write(writes, info)
             raise
@@ -265,15 +285,20 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
             new.append((i, rec))
         return new
 
-    def _run(self, func, args, kwargs, rng=None):
+    def _run(self, func, args, kwargs, rng=None, unlocked=False):
         """Run an op; on CUDA, evict and retry while it runs out of memory.
 
         A random op that failed may have advanced its generator: the retry
         starts again from ``rng``, the state of its first try (R6).
+        ``unlocked``: the state's lock is let go while the kernel runs (an
+        op in scope; a replay keeps it, R12).
         """
         while True:
             try:
-                return func(*args, **kwargs)
+                if not unlocked:
+                    return func(*args, **kwargs)
+                with _released(self.lock):
+                    return func(*args, **kwargs)
             except _OOM:
                 if not self.cuda or not self._evict_one():
                     raise

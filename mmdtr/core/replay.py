@@ -106,16 +106,16 @@ def _shrunk(t) -> bool:
     """Whether a plain strided tensor's storage no longer covers its view
     (other tensors have no storage to read it from, or no strides)."""
     if type(t) not in _PLAIN or t.layout is not torch.strided \
-            or t.is_nested or t.is_meta:
-        return False
+            or t.is_nested or t.is_meta or t.is_quantized:
+        return False  # quint4x2 packs two values a byte: no itemsize
     return t.untyped_storage().nbytes() < _reach(view_meta(t))
 
 
-def _shrunk_unseen(shape, nbytes, reach) -> MmdtrError:
+def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
     return MmdtrError(
-        f'a tensor of shape {tuple(shape)} that DTR needs to recompute from '
-        f'has lost memory where the engine could not see it: its storage '
-        f'has {nbytes} bytes and the tensor reads {reach} '
+        f'{what} that DTR needs to recompute from has lost memory where the '
+        f'engine could not see it: its storage has {nbytes} bytes and the '
+        f'tensor reads {reach} '
         '(untyped_storage().resize_(), as FSDP frees parameters, runs '
         'below the dispatcher). Reading it would read freed memory.',
         'free it after backward, or restore its size and contents before '
@@ -165,13 +165,13 @@ class Replayer:
         """Return ``rec``'s storage at ``version``, recomputing if needed
         (also if it is resident but ``stale``: written unseen, R13)."""
         storage = rec.storage()
-        if storage is not None and storage.nbytes() != rec.nbytes:
-            # resized below the dispatcher (a seen resize updates nbytes):
-            # its bytes are not the recorded ones; rebuilt for this use, as
-            # a storage written after the scope is (R13)
+        if storage is not None and storage.nbytes() < rec.nbytes:
+            # shrunk below the dispatcher (a seen resize updates nbytes; a
+            # grown storage keeps its bytes): rebuilt for this use, as a
+            # storage written after the scope is (R13)
             if not rec.recomputable(version):
-                raise _shrunk_unseen((rec.nbytes, ), storage.nbytes(),
-                                     rec.nbytes)
+                raise _shrunk_unseen(f'a storage of {rec.nbytes} bytes',
+                                     storage.nbytes(), rec.nbytes)
             stale = True
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
@@ -274,7 +274,7 @@ class Replayer:
                     'write into it in place (tensor.data.copy_(...)), or '
                     'swap it outside the DTR scope.')
             if _shrunk(t):  # freed below the dispatcher (R13)
-                raise _shrunk_unseen(t.shape,
+                raise _shrunk_unseen(f'a tensor of shape {tuple(t.shape)}',
                                      t.untyped_storage().nbytes(),
                                      _reach(view_meta(t)))
             return detached_alias(t) if t.requires_grad else t

@@ -179,6 +179,50 @@ def test_backward_in_another_thread_while_the_engine_runs():
     assert_thread_clean()
 
 
+_HANDED = {}
+
+
+@torch.library.custom_op('mmdtr_tests::drop_handed', mutates_args=())
+def _drop_handed(x: torch.Tensor, who: str) -> torch.Tensor:
+    _HANDED['barrier'].wait()  # both threads inside an op of their engine
+    _HANDED.pop(who)  # the last reference to the other engine's storage
+    return x.clone()
+
+
+def test_engines_in_two_threads_freeing_each_others_storages():
+    # with a lock per engine, each thread held its own while the other's
+    # storage it freed waited for the other's: a deadlock (found by a
+    # review); one lock for all engines, let go while a kernel runs
+    _HANDED['barrier'] = threading.Barrier(2, timeout=5)
+    ready = {name: threading.Event() for name in 'AB'}
+    go, errors = threading.Event(), []
+
+    def work(name, other):
+        try:
+            with DTR(eviction_threshold='1GB', device='cpu'):
+                _HANDED[other] = torch.randn(1 << 16)  # counted here
+                ready[name].set()
+                go.wait()
+                _drop_handed(torch.ones(4), name)  # made by the other
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=work, args=pair, daemon=True)
+        for pair in (('A', 'B'), ('B', 'A'))
+    ]
+    for thread in threads:
+        thread.start()
+    for event in ready.values():
+        assert event.wait(10)
+    go.set()
+    for thread in threads:
+        thread.join(20)
+    assert not any(thread.is_alive() for thread in threads), 'deadlock'
+    assert not errors, errors[0]
+    assert_thread_clean()
+
+
 def test_exit_without_enter_raises_a_clear_error():
     engine = DTR(**EVICT_ALL)
     with pytest.raises(MmdtrError, match='not active') as info:

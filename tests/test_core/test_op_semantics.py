@@ -161,7 +161,8 @@ def test_keeps_what_a_replay_would_compute_other_bits_of(cuda, deterministic):
     index = torch.randint(0, 4, (64, ))
 
     def creator(op, *args):
-        out = state.on_op(op, args, {})
+        with state.lock:  # as the dispatch mode calls it (R12)
+            out = state.on_op(op, args, {})
         return state.records[out.untyped_storage()._cdata].creator
 
     before = (torch.are_deterministic_algorithms_enabled(),
