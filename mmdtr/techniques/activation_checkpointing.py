@@ -282,13 +282,26 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     context_fn = functools.partial(_context_fn, self, policy)
-    return checkpoint(
+    inputs = [(t, t._version) for t in (*args, *kwargs.values())
+              if isinstance(t, torch.Tensor) and not t.is_inference()]
+    out = checkpoint(
         run,
         *args,
         *kwargs.values(),
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=context_fn)
+    if any(t._version != version for t, version in inputs):
+        # the recompute would run on the written input: autograd's in-place
+        # error in backward, or, if it passes, other values
+        raise MmdtrError(
+            f'activation_checkpointing: a checkpointed {type(self).__name__}'
+            ' writes its input in place (e.g. ReLU(inplace=True)); its '
+            'recomputation in backward would read the written values.',
+            hint='select the block that contains it instead (a glob such '
+            "as 'backbone.layer1.*', not 'backbone.layer1.*.*'), or make it "
+            'out of place.')
+    return out
 
 
 def is_checkpointed(module: nn.Module) -> bool:

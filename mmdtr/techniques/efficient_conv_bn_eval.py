@@ -35,6 +35,7 @@ BatchNorms without running statistics, and Convs or BatchNorms whose call
 does more than their ``torch.nn`` class (a subclass's own forward, a hook),
 which the fused form would skip.
 """
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -83,11 +84,31 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+def _modes() -> tuple:
+    """Grad mode and autocast now: a trace runs a ``with torch.no_grad()``
+    or ``torch.autocast(...)`` block of the forward but records nothing of
+    it, so the traced forward would run its ops outside it."""
+    autocast_dtype = getattr(torch, 'get_autocast_dtype', None)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch._C._is_any_autocast_enabled(),
+            autocast_dtype('cpu') if autocast_dtype else None)
+
+
 class _ConvBnTracer(fx.Tracer):
-    """Trace one module's own code: every child with a forward is a leaf."""
+    """Trace one module's own code: every child with a forward is a leaf.
+    ``switches_modes``: whether a node was made under other grad or
+    autocast modes than the trace started in."""
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         return _has_forward(m)
+
+    def trace(self, root, concrete_args=None):
+        self.start, self.switches_modes = _modes(), False
+        return super().trace(root, concrete_args)
+
+    def create_node(self, *args, **kwargs):
+        self.switches_modes |= _modes() != self.start
+        return super().create_node(*args, **kwargs)
 
 
 def _is_layer(module: nn.Module) -> bool:
@@ -188,32 +209,42 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
     return len(pairs)
 
 
-def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool]:
+def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
     """Trace ``module`` with every ``training`` flag in it set to True,
     then to False (the flags are put back; no ``train()`` override runs).
-    Returns the first graph and whether the two differ: a trace bakes in
-    what its code reads of the flags (``F.dropout(x, training=
-    self.training)``), which the hook, applied in one mode, would fix."""
+    Returns the first graph, whether the two differ (a trace bakes in what
+    its code reads of the flags: ``F.dropout(x, training=
+    self.training)``, which the hook, applied in one mode, would fix), and
+    whether the forward switches grad mode or autocast (seen in the first
+    trace, run as called, or the second, run under ``no_grad`` and CPU
+    autocast, so that a block switching either on or off is seen)."""
     flags = [(m, m.training) for m in module.modules()]
-    codes = []
+    codes, switches = [], False
     try:
         for mode in (True, False):
             for m, _ in flags:
                 m.training = mode
-            graph = _ConvBnTracer().trace(module)
+            tracer = _ConvBnTracer()
+            with contextlib.ExitStack() as stack:
+                if not mode:
+                    stack.enter_context(torch.no_grad())
+                    stack.enter_context(
+                        torch.autocast('cpu', dtype=torch.bfloat16))
+                graph = tracer.trace(module)
+            switches |= tracer.switches_modes
             codes.append(graph.python_code('self').src)
             if mode:
                 first = graph
     finally:
         for m, training in flags:
             m.training = training
-    return first, codes[0] != codes[1]
+    return first, codes[0] != codes[1], switches
 
 
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
                     result: ConvBnEvalResult) -> None:
     try:
-        graph, mode_dependent = _trace_in_both_modes(module)
+        graph, mode_dependent, switches = _trace_in_both_modes(module)
     except Exception as exc:  # any trace failure: report it, go on
         first_line = (str(exc).strip().splitlines() or [''])[0]
         result.failures.append(
@@ -223,6 +254,12 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
     if mode_dependent:
         result.failures.append((name, 'its own forward reads a training flag '
                                 '(self.training), which a trace would fix'))
+        return
+    if switches:  # found by an adversarial search: gradients differed
+        result.failures.append(
+            (name, 'its own forward switches grad mode or autocast '
+             '(torch.no_grad(), torch.autocast(...)), which a trace would '
+             'drop'))
         return
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
     count = fuse_conv_bn_pairs(gm, fused)

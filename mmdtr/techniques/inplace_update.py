@@ -22,6 +22,7 @@ restricted to the one parameter, with the group's current hyper-parameters
 optimizer's own ``state``: the result is bit-identical to the single-tensor
 loop over all parameters, and ``optimizer.state_dict()`` is unchanged.
 """
+import contextlib
 import threading
 from typing import Callable, Dict, Optional, Set
 
@@ -100,6 +101,37 @@ def raw_step(optimizer: Optimizer) -> Callable:
     if getattr(step, 'hooked', False):
         step = step.__wrapped__
     return step
+
+
+def _hooked_below(optimizer: Optimizer) -> bool:
+    """Whether a base class's ``step`` is hooked too: a subclass's step
+    that calls ``super().step()`` then runs the step hooks itself."""
+    return any(
+        getattr(vars(klass).get('step'), 'hooked', False)
+        for klass in type(optimizer).__mro__[1:])
+
+
+@contextlib.contextmanager
+def _step_hooks_off(optimizer: Optimizer):
+    """No step hooks, the optimizer's and the global ones, while it runs,
+    when a base class's hooked ``step`` would run them (emptied in place,
+    so that their handles stay valid, and put back)."""
+    if not _hooked_below(optimizer):
+        yield
+        return
+    from torch.optim import optimizer as module
+    hooks = (optimizer._optimizer_step_pre_hooks,
+             optimizer._optimizer_step_post_hooks,
+             module._global_optimizer_pre_hooks,
+             module._global_optimizer_post_hooks)
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        yield
+    finally:
+        for h, items in zip(hooks, saved):
+            h.update(items)
 
 
 class PerParameterStepper:
@@ -210,7 +242,7 @@ class PerParameterStepper:
             group['params'] = [param]
             self.optimizer.param_groups = [group]
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _step_hooks_off(self.optimizer):
                     self._step(self.optimizer, **self.step_kwargs)
             finally:
                 group['params'] = params

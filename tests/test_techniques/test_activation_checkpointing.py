@@ -279,6 +279,26 @@ def test_errors_and_nothing_half_applied():
     assert normalize_policy('recompute_all') is None
 
 
+class _WritesItsInput(nn.Module):
+
+    def forward(self, x):
+        return x.mul_(2).sin()
+
+
+@pytest.mark.parametrize('make',
+                         [lambda: nn.ReLU(inplace=True), _WritesItsInput])
+def test_module_writing_its_input_is_refused(make):
+    # the recompute read the written input: autograd's in-place error in
+    # backward, from PyTorch's own checkpoint too (found by an adversarial
+    # search: 'backbone.layer1.*.*' selects ResNet's in-place ReLUs)
+    model = nn.Sequential(nn.Linear(8, 8), make(), nn.Linear(8, 1))
+    apply_activation_checkpointing(model, '1')
+    with pytest.raises(MmdtrError, match='writes its input in place'):
+        model(torch.randn(4, 8))
+    with torch.no_grad():  # no checkpoint, no recompute: as it is
+        model(torch.randn(4, 8))
+
+
 def test_nested_selection_wraps_outermost_only():
     model = ConvNet()
     assert apply_activation_checkpointing(model, [

@@ -318,3 +318,34 @@ def test_module_reading_its_own_training_flag_is_not_traced():
     model.eval()
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(model(x), model(x))  # no dropout in eval
+
+
+class _SwitchesModes(nn.Module):
+
+    def __init__(self, switch):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.gate, self.switch = nn.Conv2d(4, 4, 1), switch
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        with self.switch():
+            g = self.gate(x).sigmoid()
+        return y * g.float()
+
+
+@pytest.mark.parametrize(
+    'switch', [
+        torch.no_grad, torch.enable_grad,
+        lambda: torch.autocast('cpu', enabled=False),
+        lambda: torch.autocast('cpu', dtype=torch.bfloat16)
+    ],
+    ids=['no_grad', 'enable_grad', 'autocast_off', 'autocast_on'])
+def test_module_switching_grad_or_autocast_is_not_traced(switch):
+    # a trace runs the block but records nothing of it: the fused forward
+    # gave the gate a gradient, and other dtypes under autocast (found by
+    # an adversarial search)
+    model = nn.Sequential(_SwitchesModes(switch))
+    with pytest.warns(UserWarning, match='switches grad mode or autocast'):
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert not result.enabled and result.fused_pairs == 0

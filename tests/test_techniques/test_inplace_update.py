@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.optim.optimizer as torch_optimizer
 from torch.utils.checkpoint import checkpoint
 
 from mmdtr.errors import MmdtrError
@@ -135,6 +136,36 @@ def test_per_parameter_steps_skip_step_hooks():
     optimizer.step()  # no gradient left: only the hooks run
     assert calls == [1]
     assert raw_step(optimizer) is not type(optimizer).step
+
+
+class _SubclassSGD(torch.optim.SGD):
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_per_parameter_steps_skip_step_hooks_of_a_subclass():
+    # super().step() reached SGD.step, hooked once any plain SGD was made,
+    # which ran the optimizer's and the global step hooks once per
+    # parameter (found by an adversarial search)
+    model = nn.Linear(3, 2)
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # hooks SGD.step
+    optimizer = _SubclassSGD(model.parameters(), lr=0.1)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *args: calls.append('pre'))
+    handle = torch_optimizer.register_optimizer_step_post_hook(
+        lambda *args: calls.append('global post'))
+    try:
+        stepper = PerParameterStepper(optimizer)
+        stepper.begin()
+        model(torch.ones(1, 3)).sum().backward()
+        stepper.end()
+        assert stepper.steps_taken == 2 and calls == []
+    finally:
+        handle.remove()  # still removable: the hooks were put back
+    assert not torch_optimizer._global_optimizer_post_hooks
+    optimizer.step()
+    assert calls.count('pre') >= 1
 
 
 def test_clip_value_matches_clip_grad_value():
