@@ -11,10 +11,10 @@ import argparse
 import os
 import os.path as osp
 import sys
+import traceback
 
 from mmengine.config import Config
 from mmengine.registry import RUNNERS
-from mmengine.runner import BaseLoop
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.distributed import close_dist
@@ -150,10 +150,11 @@ def build_runner(cfg: Config):
     return MMDTRRunner.from_cfg(cfg)
 
 
-def _iterations_run(runner) -> int:
-    """Training iterations done (the loop is not built by asking)."""
-    loop = getattr(runner, '_train_loop', None)
-    return getattr(loop, 'iter', 0) if isinstance(loop, BaseLoop) else 0
+def _from_the_engine(error: BaseException) -> bool:
+    """Whether ``error`` was raised in the DTR engine (``mmdtr/core``)."""
+    return any(
+        osp.join('mmdtr', 'core', '') in frame.filename
+        for frame in traceback.extract_tb(error.__traceback__))
 
 
 def main(argv=None):
@@ -171,10 +172,10 @@ def main(argv=None):
         runner.train()
     except MmdtrError as e:
         close_dist(wait=False)  # before the interpreter exits: see there
-        if _iterations_run(runner):
-            raise  # the traceback helps, if it is the engine's
-        # a setting checked against the model (a module name) before the
-        # first iteration: one line, as the config's own checks
+        if _from_the_engine(e):
+            raise  # its traceback helps (a refusal, or a bug to report)
+        # a setting checked against the model (a module name): one line,
+        # as the config's own checks
         print(f'{type(e).__name__}: {e}', file=sys.stderr)
         sys.exit(1)
     except BaseException:

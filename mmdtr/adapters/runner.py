@@ -162,7 +162,8 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
         OPTIM_WRAPPERS.get(wrapper_type)
     if cls is None:
         scope, _, name = str(wrapper_type).rpartition('.')
-        if (scope or default_scope) not in (None, 'mmdtr', 'mmengine'):
+        scope = scope or wrapper.get('_scope_', None) or default_scope
+        if scope not in (None, 'mmdtr', 'mmengine'):
             return
         known = sorted(
             {*OPTIM_WRAPPERS.module_dict, *OPTIM_WRAPPERS.parent.module_dict})

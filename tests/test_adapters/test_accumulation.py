@@ -178,8 +178,12 @@ def test_bad_wrapper_configs_fail_at_translation(optim_wrapper, match):
             optimizer=SGD,
             layer_decay_rate=0.9),
         dict(type='mmpretrain.SomeOptimWrapper', optimizer=SGD, extra=1),
+        dict(type='MyOptimWrapper', _scope_='myproj', optimizer=SGD),
     ],
-    ids=['amp_through_kwargs', 'paramwise', 'custom_constructor', 'scope'])
+    ids=[
+        'amp_through_kwargs', 'paramwise', 'custom_constructor', 'scope',
+        'scope_key'
+    ])
 def test_legitimate_wrapper_configs_pass(optim_wrapper):
     translate_memory_keys(Config(dict(optim_wrapper=optim_wrapper)))
     # a downstream repo's default scope: its wrappers are its registry's
