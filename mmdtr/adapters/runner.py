@@ -39,8 +39,8 @@ from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import (SOURCE_ATTR, config_check,
                                  translate_memory_keys)
 from .distributed import init_cpu_dist
-from .inplace_optim_settings import (check_accumulative_counts,
-                                     check_wrapper_config)
+from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
+                                     check_keys, check_wrapper_config)
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -144,11 +144,6 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
 
 
-#: keys of an optimizer-wrapper config that MMEngine's builder reads itself
-_BUILDER_KEYS = ('type', 'optimizer', 'constructor', 'paramwise_cfg',
-                 '_scope_')
-
-
 def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
     """Refuse a wrapper type of mmdtr's or MMEngine's scope that is not
     registered while close to one that is (``InplaceOptimWrapperr``), and
@@ -173,17 +168,12 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
                 f'optim_wrapper type={wrapper_type!r} is not registered.',
                 hint=f'closest match: {close[0]!r}; registered: {known}.')
         return  # not close to any: MMEngine names it
-    accepted = {*_BUILDER_KEYS, *_init_parameters(cls)} - {'self'}
-    unknown = [k for k in wrapper if k not in accepted]
-    if unknown:
-        close = {
-            k: difflib.get_close_matches(str(k), sorted(accepted), n=1)
-            for k in unknown
-        }
-        raise MmdtrError(
-            f'optim_wrapper keys {unknown} are not accepted by '
-            f'{cls.__name__}: it takes {sorted(accepted)}.',
-            hint=f'closest matches: {close}.')
+    check_keys(
+        wrapper,
+        sorted({*BUILDER_KEYS, *_init_parameters(cls)} - {'self'}),
+        'optim_wrapper',
+        f'an argument of {cls.__name__} or a key of its builder',
+        values=wrapper)
 
 
 def _default_constructor(wrapper: dict) -> bool:

@@ -140,10 +140,12 @@ SGD = dict(type='SGD', lr=0.1)
 @pytest.mark.parametrize(
     'optim_wrapper, match', [
         (dict(optimizer=SGD, accumulative_count=4),
-         r"keys \['accumulative_count'\] are not accepted by OptimWrapper"
-         r".*'accumulative_counts'"),
+         r'optim_wrapper.accumulative_count=4 is not accepted: not an '
+         r'argument of OptimWrapper.*rename accumulative_count to '
+         r'accumulative_counts'),
         (dict(type='AmpOptimWrapper', optimizer=SGD, loss_scal='dynamic'),
-         r"keys \['loss_scal'\] are not accepted by AmpOptimWrapper"),
+         r"optim_wrapper.loss_scal='dynamic' is not accepted: not an "
+         r'argument of AmpOptimWrapper.*rename loss_scal to loss_scale'),
         (dict(type='InplaceOptimWrapperr', optimizer=SGD),
          "type='InplaceOptimWrapperr' is not registered.*closest match: "
          "'InplaceOptimWrapper'"),
@@ -151,7 +153,7 @@ SGD = dict(type='SGD', lr=0.1)
         (dict(
             generator=dict(optimizer=SGD),
             discriminator=dict(optimizer=SGD, accumulative_count=2)),
-         r"keys \['accumulative_count'\] are not accepted"),
+         r'optim_wrapper.accumulative_count=2 is not accepted'),
     ],
     ids=['key_typo', 'amp_key_typo', 'type_typo', 'a_string', 'in_a_dict'])
 def test_bad_wrapper_configs_fail_at_translation(optim_wrapper, match):
