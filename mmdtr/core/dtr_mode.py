@@ -5,6 +5,7 @@ and a private, nearly empty ``TorchDispatchMode`` that forwards every op to
 it; the saved-tensor hooks are thin closures over the same state.
 """
 import dataclasses
+import difflib
 import threading
 from typing import Optional, Union
 
@@ -91,9 +92,12 @@ class DTR:
             ``torch.device`` of those types. Defaults to the device of the
             first storage an op allocates in scope (a CUDA device: its
             ``memory_allocated``).
+        **unknown: Refused: a misspelt argument (``eviction_treshold``)
+            raises :class:`MmdtrError` naming it and the closest argument.
 
     Raises:
-        MmdtrError: If an argument is invalid (at construction), or, at
+        MmdtrError: If an argument is invalid or unknown (at construction),
+            or, at
             ``__enter__``, if another engine is already active on this
             thread: engines do not nest, whether started by ``with DTR()``
             or :func:`mmdtr.dtr.enable`. Engines in other threads are
@@ -111,7 +115,10 @@ class DTR:
                  evictee_minimum_size: Union[int, str] = 2**20,
                  enable_sqrt_sampling: bool = False,
                  policy='dtr',
-                 device=None):
+                 device=None,
+                 **unknown):
+        if unknown:
+            _refuse_unknown_arguments(unknown)
         threshold = parse_size(
             eviction_threshold, 'eviction_threshold', allow_none=True)
         self.eviction_threshold = threshold or None
@@ -208,6 +215,21 @@ class DTR:
             eviction_failures=state.eviction_failures,
             ops=state.clock,
             threshold=state.threshold)
+
+
+_ARGUMENTS = ('eviction_threshold', 'evictee_minimum_size',
+              'enable_sqrt_sampling', 'policy', 'device')
+
+
+def _refuse_unknown_arguments(unknown: dict):
+    name, value = next(iter(unknown.items()))
+    close = difflib.get_close_matches(name, _ARGUMENTS, n=1)
+    message = (f'DTR() got an unknown argument {name}={value!r}; accepted: '
+               f'{list(_ARGUMENTS)}')
+    message += f', closest match: {close[0]!r}.' if close else '.'
+    hint = (f'Did you mean DTR({close[0]}=...)?'
+            if close else 'See help(mmdtr.dtr.DTR).')
+    raise MmdtrError(message, hint)
 
 
 def _check_device(device) -> Optional[torch.device]:

@@ -360,6 +360,11 @@ def test_module_level_switches_match_megengine():
     (dict(eviction_threshold='1GB',
           enable_sqrt_sampling='yes'), 'enable_sqrt_sampling'),
     (dict(eviction_threshold='1GB', policy='fifo'), "policy='fifo'"),
+    (dict(eviction_treshold='1GB'),
+     r"eviction_treshold='1GB'.*closest match: 'eviction_threshold'"),
+    (dict(eviction_threshold='1GB', sqrt_sampling=True),
+     r"sqrt_sampling=True.*closest match: 'enable_sqrt_sampling'"),
+    (dict(eviction_threshold='1GB', budget=3), r"unknown argument budget=3"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, match):
     with pytest.raises(MmdtrError, match=match) as info:
