@@ -276,3 +276,32 @@ def test_non_reentrant_checkpointing_of_a_shared_weight():
         results.append(shared)
     assert torch.equal(results[0].weight, results[1].weight)
     assert torch.equal(results[0].bias, results[1].bias)
+
+
+def test_a_backward_that_raises_leaves_the_optimizer_as_it_was():
+    # some parameters stepped, then the backward raised: the groups, the
+    # step hooks (emptied during each step) and the hooks' state are back,
+    # and gradients accumulate as usual afterwards
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # hooks SGD.step
+    optimizer = _SubclassSGD(model.parameters(), lr=0.1, momentum=0.9)
+    groups, params = optimizer.param_groups, list(model.parameters())
+    optimizer.register_step_pre_hook(lambda *args: None)
+    stepper = PerParameterStepper(optimizer)
+
+    def fail(grad):
+        raise RuntimeError('a hook failed')
+
+    h = model[0](torch.ones(5, 3))
+    h.register_hook(fail)  # after the last layer's parameters stepped
+    stepper.begin()
+    with pytest.raises(RuntimeError, match='a hook failed'):
+        model[2](torch.tanh(h)).sum().backward()
+    stepper.end()
+    assert stepper.steps_taken == 2  # the last layer's weight and bias
+    assert optimizer.param_groups is groups
+    assert groups[0]['params'] == params
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    model.zero_grad()
+    model(torch.ones(5, 3)).sum().backward()  # not stepped: accumulates
+    assert all(p.grad is not None for p in model.parameters())
