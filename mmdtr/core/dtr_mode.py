@@ -22,6 +22,7 @@ from .sizes import parse_size
 
 _DEVICE_TYPES = ('cpu', 'cuda')
 _ACTIVE = threading.local()  # .engine: the engine active on this thread
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 class _DTRDispatchMode(TorchDispatchMode):
@@ -32,7 +33,7 @@ class _DTRDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         with self.state.lock:  # (R12)
-            if any(t not in _PLAIN for t in types):  # subclasses: as they are
+            if not _PLAIN_TYPES.issuperset(types):  # subclasses: as they are
                 return self.state.on_subclass_op(func, args, kwargs or {})
             return self.state.on_op(func, args, kwargs or {})
 

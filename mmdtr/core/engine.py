@@ -293,12 +293,16 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         ``unlocked``: the state's lock is let go while the kernel runs (an
         op in scope; a replay keeps it, R12).
         """
+        lock = self.lock
         while True:
             try:
                 if not unlocked:
                     return func(*args, **kwargs)
-                with _released(self.lock):
+                lock.release()  # as _released does, without a generator
+                try:  # on the hot path (R1)
                     return func(*args, **kwargs)
+                finally:
+                    lock.acquire()
             except _OOM:
                 if not self.cuda or not self._evict_one():
                     raise
