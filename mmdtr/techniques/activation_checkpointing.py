@@ -17,23 +17,29 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
   their running statistics once, in the forward; the recompute normalizes
   with the same batch statistics but writes into throw-away copies of the
   running buffers, so outputs, gradients and buffers are bit-identical to
-  the plain model;
+  the plain model (:mod:`.recompute_guards`); a module that updates any
+  other buffer in its forward is refused, as is one that writes its input
+  in place: their recompute would read the updated values;
+- the recompute runs in full (no early stop), so an op that writes a
+  tensor after saving it (``rrelu``'s noise) is replayed whole;
 - it is DDP-safe: non-reentrant checkpointing runs the recompute inside the
   autograd graph of the outer backward, so DDP's gradient hooks fire once
   per parameter as usual.
 """
 import functools
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+                                    create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from mmdtr.errors import MmdtrError
 from .module_selection import closest_names, outermost, resolve_modules
+from .recompute_guards import (RecomputeContext, RunningStatsGuard,
+                               tracking_norms, watch_buffers, written_buffer)
 
 #: Named selective policies: the aten ops whose outputs are kept.
 POLICIES: Dict[str, Tuple[str, ...]] = {
@@ -167,77 +173,14 @@ def _save_policy(names: Tuple[str, ...]) -> _SavePolicy:
     return policy
 
 
-class _RunningStatsGuard:
-    """During the recompute, give norm layers throw-away running buffers.
-
-    A norm layer in training mode normalizes with batch statistics and
-    updates its running buffers in place. The recompute must produce the
-    same output and save the same number of tensors for backward, but must
-    not update the buffers a second time; so each buffer is swapped for a
-    clone while the recompute runs and restored afterwards. Re-entrant, so
-    a ``retain_graph=True`` double backward works too.
-
-    Args:
-        norms (list[_NormBase]): The norm layers that track running stats
-            and were in training mode during the forward.
-    """
-
-    _BUFFERS = ('running_mean', 'running_var', 'num_batches_tracked')
-
-    def __init__(self, norms: List[_NormBase]):
-        self.norms = norms
-        self._stack: List[list] = []
-
-    def __enter__(self) -> '_RunningStatsGuard':
-        saved = []
-        for norm in self.norms:
-            for name in self._BUFFERS:
-                buffer = getattr(norm, name, None)
-                if isinstance(buffer, torch.Tensor):
-                    saved.append((norm, name, buffer))
-                    setattr(norm, name, buffer.clone())
-        self._stack.append(saved)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for norm, name, buffer in self._stack.pop():
-            setattr(norm, name, buffer)
-
-
-class _RecomputeContext:
-    """The running-stats guard plus, if selective, SAC's recompute mode."""
-
-    def __init__(self, guard: _RunningStatsGuard, sac_context):
-        self.guard = guard
-        self.sac_context = sac_context
-        self._stacks: List[ExitStack] = []
-
-    def __enter__(self) -> None:
-        stack = ExitStack()
-        stack.enter_context(self.guard)
-        stack.enter_context(self.sac_context)
-        self._stacks.append(stack)
-
-    def __exit__(self, *exc_info) -> None:
-        self._stacks.pop().__exit__(*exc_info)
-
-
-def _tracking_norms(module: nn.Module) -> List[_NormBase]:
-    return [
-        m for m in module.modules() if isinstance(m, _NormBase) and m.training
-        and m.track_running_stats and m.running_mean is not None
-    ]
-
-
-def _context_fn(module: nn.Module,
+def _context_fn(norms: list,
                 policy: Optional[Tuple[str, ...]]) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
             _save_policy(policy))
     else:
         fwd, recompute = nullcontext(), nullcontext()
-    guard = _RunningStatsGuard(_tracking_norms(module))
-    return fwd, _RecomputeContext(guard, recompute)
+    return fwd, RecomputeContext(RunningStatsGuard(norms), recompute)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -281,16 +224,21 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     policy = getattr(self, _POLICY_ATTR, None)
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
-    context_fn = functools.partial(_context_fn, self, policy)
+    norms = tracking_norms(self)
+    context_fn = functools.partial(_context_fn, norms, policy)
     inputs = [(t, t._version) for t in (*args, *kwargs.values())
               if isinstance(t, torch.Tensor) and not t.is_inference()]
-    out = checkpoint(
-        run,
-        *args,
-        *kwargs.values(),
-        use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=context_fn)
+    buffers = watch_buffers(self, norms)
+    # no early stop: an op that writes a tensor it saved (rrelu's noise) is
+    # cut off by it in the recompute, leaving that tensor unwritten
+    with set_checkpoint_early_stop(False):
+        out = checkpoint(
+            run,
+            *args,
+            *kwargs.values(),
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=context_fn)
     if any(t._version != version for t, version in inputs):
         # the recompute would run on the written input: autograd's in-place
         # error in backward, or, if it passes, other values
@@ -301,6 +249,16 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             hint='select the block that contains it instead (a glob such '
             "as 'backbone.layer1.*', not 'backbone.layer1.*.*'), or make it "
             'out of place.')
+    written = written_buffer(buffers)
+    if written is not None:
+        raise MmdtrError(
+            f'activation_checkpointing: a checkpointed {type(self).__name__}'
+            f' updates the buffer {written} in its forward (an EMA, a '
+            'counter); its recomputation in backward would read the updated '
+            'value and update it a second time.',
+            hint='select modules that do not update buffers in their '
+            "forward (norm layers' running statistics are handled), or "
+            'leave this one out.')
     return out
 
 

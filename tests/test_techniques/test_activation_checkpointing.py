@@ -299,6 +299,57 @@ def test_module_writing_its_input_is_refused(make):
         model(torch.randn(4, 8))
 
 
+@pytest.mark.parametrize('policy', [None, 'save_matmuls'])
+def test_module_writing_a_tensor_it_saved_is_bit_identical(policy):
+    # rrelu saves its noise tensor, then writes it: torch's early stop cut
+    # the recompute off before the write, leaving the noise unwritten
+    # (NaN gradients; found by an adversarial search)
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.RReLU()),
+        nn.Linear(8, 3))
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, '1', policy)
+    inputs, labels = (torch.randn(16, 8), ), torch.randint(0, 3, (16, ))
+    _assert_bit_identical(plain, ckpt, _train_steps(plain, inputs, labels),
+                          _train_steps(ckpt, inputs, labels))
+
+
+class _EmaScale(nn.Module):
+    """Scales by an EMA of its input's magnitude, updated in forward."""
+
+    def __init__(self, replace=False):
+        super().__init__()
+        self.replace = replace
+        self.register_buffer('scale', torch.ones(8))
+        self.register_buffer('calls', torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        out = x * self.scale.clone()
+        with torch.no_grad():
+            if self.replace:  # a new tensor, no version bump
+                self.calls = self.calls + 1
+            else:
+                self.scale.mul_(0.5).add_(0.5 * x.abs().mean(0))
+        return out
+
+
+@pytest.mark.parametrize('replace', [False, True])
+def test_module_updating_a_buffer_is_refused(replace):
+    # the recompute read the updated buffer (other gradients) and updated
+    # it again (found by an adversarial search); BatchNorm's statistics are
+    # guarded, so a block with both is refused for the other buffer only
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Sequential(nn.BatchNorm1d(8), _EmaScale(replace)),
+        nn.Linear(8, 1))
+    apply_activation_checkpointing(model, '1')
+    name = '_EmaScale.calls' if replace else '_EmaScale.scale'
+    with pytest.raises(MmdtrError, match=f'updates the buffer {name}'):
+        model(torch.randn(4, 8))
+    model[1][1] = nn.Identity()  # BatchNorm alone: checkpointed as usual
+    model(torch.randn(4, 8)).sum().backward()
+
+
 def test_nested_selection_wraps_outermost_only():
     model = ConvNet()
     assert apply_activation_checkpointing(model, [

@@ -1,0 +1,114 @@
+"""What a checkpointed module's recompute may not change a second time.
+
+Activation checkpointing runs a module's forward twice: once in the
+forward pass and once, to rebuild its activations, during the backward.
+Whatever that forward writes besides its outputs is written twice:
+
+- the running statistics of normalization layers in training mode: the
+  recompute writes into throw-away copies (:class:`RunningStatsGuard`), since
+  their outputs do not depend on them;
+- any other buffer (an EMA, a call counter): the recompute would read the
+  updated value, so its activations and gradients would differ; it is
+  refused (:func:`watch_buffers`, :func:`written_buffer`).
+"""
+from contextlib import ExitStack
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _NormBase
+
+#: The buffers of a normalization layer that its training forward updates.
+NORM_BUFFERS = ('running_mean', 'running_var', 'num_batches_tracked')
+
+
+def tracking_norms(module: nn.Module) -> List[_NormBase]:
+    """The normalization layers in ``module`` that update running stats."""
+    return [
+        m for m in module.modules() if isinstance(m, _NormBase) and m.training
+        and m.track_running_stats and m.running_mean is not None
+    ]
+
+
+class RunningStatsGuard:
+    """During the recompute, give norm layers throw-away running buffers.
+
+    A norm layer in training mode normalizes with batch statistics and
+    updates its running buffers in place. The recompute must produce the
+    same output and save the same number of tensors for backward, but must
+    not update the buffers a second time; so each buffer is swapped for a
+    clone while the recompute runs and restored afterwards. Re-entrant, so
+    a ``retain_graph=True`` double backward works too.
+
+    Args:
+        norms (list[_NormBase]): The norm layers that track running stats
+            and were in training mode during the forward.
+    """
+
+    def __init__(self, norms: List[_NormBase]):
+        self.norms = norms
+        self._stack: List[list] = []
+
+    def __enter__(self) -> 'RunningStatsGuard':
+        saved = []
+        for norm in self.norms:
+            for name in NORM_BUFFERS:
+                buffer = getattr(norm, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    saved.append((norm, name, buffer))
+                    setattr(norm, name, buffer.clone())
+        self._stack.append(saved)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for norm, name, buffer in self._stack.pop():
+            setattr(norm, name, buffer)
+
+
+class RecomputeContext:
+    """The running-stats guard plus, if selective, SAC's recompute mode.
+
+    Args:
+        guard (RunningStatsGuard): The guard of the module's norm layers.
+        sac_context: The recompute context of a selective policy, or a
+            null context.
+    """
+
+    def __init__(self, guard: RunningStatsGuard, sac_context):
+        self.guard = guard
+        self.sac_context = sac_context
+        self._stacks: List[ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = ExitStack()
+        stack.enter_context(self.guard)
+        stack.enter_context(self.sac_context)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc_info) -> None:
+        self._stacks.pop().__exit__(*exc_info)
+
+
+def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
+    """``(owner, name, buffer, version)`` of each buffer in ``module``
+    that the recompute would write again: all but the running statistics
+    of ``norms`` (inference tensors have no version to read)."""
+    guarded = {id(norm) for norm in norms}
+    watched = []
+    for owner in module.modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is None or buffer.is_inference() or (
+                    id(owner) in guarded and name in NORM_BUFFERS):
+                continue
+            watched.append((owner, name, buffer, buffer._version))
+    return watched
+
+
+def written_buffer(watched: list) -> Optional[str]:
+    """``'Owner.name'`` of a watched buffer the forward wrote in place or
+    replaced since :func:`watch_buffers`, or ``None``."""
+    for owner, name, buffer, version in watched:
+        if owner._buffers.get(name) is not buffer or \
+                buffer._version != version:
+            return f'{type(owner).__name__}.{name}'
+    return None
