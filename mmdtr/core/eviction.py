@@ -64,6 +64,9 @@ class Evictor:
             self.limit = memory + self._slack()
 
     def _evict_one(self) -> bool:
+        if self.rebuilt:  # what a rebuild kept for reuse goes first (R4)
+            self.rebuilt.clear()
+            return True
         cands = self.candidates
         n = len(cands)
         if n == 0:

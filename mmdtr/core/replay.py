@@ -176,12 +176,17 @@ class Replayer:
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
             return storage
+        memo, key = self.rebuilt, (rec, version)
+        if memo is not None and not stale and key in memo:
+            return memo[key]  # rebuilt earlier in this rebuild (R4)
         if not rec.recomputable(version):
             raise MmdtrError(
                 f'cannot rebuild a storage of {rec.nbytes} bytes at version '
                 f'{version} (recomputable: {rec.lo}..{rec.hi}).',
                 'This is an engine bug (rule R7 should have kept it); '
                 'please report it with the model.')
+        if memo is None:  # the outermost rebuild keeps what it rebuilds
+            self.rebuilt = {}
         try:
             with _deep_recursion():
                 storage = self._rebuild(rec, version)
@@ -191,6 +196,11 @@ class Replayer:
                 "of recomputations deeper than Python's stack allows.",
                 'evict fewer storages in a row: raise eviction_threshold or '
                 'evictee_minimum_size.') from e
+        finally:
+            if memo is None:
+                self.rebuilt = None
+        if memo is not None and not stale:
+            memo[key] = storage
         rec.last_access = self.clock  # just rebuilt: fresh, not stale
         if version == rec.version and not rec.resident:
             self._register(storage, storage._cdata, rec)
