@@ -58,8 +58,9 @@ def test_what_a_rebuild_keeps_goes_first_under_pressure():
 
     step()
     grad_ref, x.grad = x.grad, None
-    with DTR(eviction_threshold=3 * 2**20 + 2**19,
-             evictee_minimum_size=1) as engine:
+    with DTR(
+            eviction_threshold=3 * 2**20 + 2**19,
+            evictee_minimum_size=1) as engine:
         step()
     assert torch.equal(x.grad, grad_ref)
     assert engine.stats.recomputations >= 13
