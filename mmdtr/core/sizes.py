@@ -1,4 +1,5 @@
 """Parse memory sizes given as ints or strings such as ``'5GB'``."""
+import numbers
 import re
 from fractions import Fraction
 from typing import Optional, Union
@@ -38,11 +39,11 @@ def parse_size(value: Union[int, str, None],
         return None
     if isinstance(value, bool):
         pass  # bool is an int subclass; reject it below
-    elif isinstance(value, int):
+    elif isinstance(value, numbers.Integral):  # numpy's ints too
         if value < 0:
             raise MmdtrError(f'{key}={value!r} is negative.',
                              f'Give {ACCEPTED}.')
-        return value
+        return int(value)
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match and match.group(2).lower() in _UNITS:

@@ -1,4 +1,5 @@
 """Sizes given as ints or strings (mmdtr/core/sizes.py)."""
+import numpy as np
 import pytest
 
 from mmdtr.core.sizes import format_size, parse_size
@@ -17,9 +18,11 @@ from mmdtr.errors import MmdtrError
         ('0.3MB', 314572),  # fractions of a byte are dropped
         ('0', 0),
         ('9' * 400 + 'GB', int('9' * 400) * 2**30),  # exact, no float overflow
+        (np.int64(2**20), 2**20),  # a size computed with numpy
     ])
 def test_accepted_sizes(value, nbytes):
-    assert parse_size(value, 'eviction_threshold') == nbytes
+    parsed = parse_size(value, 'eviction_threshold')
+    assert parsed == nbytes and type(parsed) is int
 
 
 @pytest.mark.parametrize('value, match', [
@@ -27,6 +30,8 @@ def test_accepted_sizes(value, nbytes):
     ('0.9', 'less than one byte'),
     (-1, 'negative'),
     (True, 'is not a size'),
+    (np.True_, 'is not a size'),
+    (np.int64(-1), 'negative'),
     (1.5, 'is not a size'),
     ('1e3MB', 'is not a size'),
     ('5 XB', 'is not a size'),
