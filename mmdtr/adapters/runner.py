@@ -40,7 +40,8 @@ from .config_translation import (SOURCE_ATTR, config_check,
                                  translate_memory_keys)
 from .distributed import init_cpu_dist
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
-                                     check_keys, check_wrapper_config)
+                                     check_keys, check_wrapper_config,
+                                     clip_grad_settings)
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -134,6 +135,8 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
     for wrapper in _wrapper_cfgs(optim_wrapper):
+        if default and _default_constructor(wrapper):
+            _check_optimizer_key(wrapper)
         if _is_inplace(wrapper.get('type')):
             check_wrapper_config(wrapper, distributed)
             continue
@@ -142,6 +145,21 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
             _check_wrapper_keys(wrapper, cfg.get('default_scope', None))
         if 'accumulative_counts' in wrapper:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
+        if amp_convertible(wrapper.get('type', 'OptimWrapper')):
+            # MMEngine's own: an assertion or a ValueError in train()
+            clip_grad_settings(wrapper.get('clip_grad', None), False)
+
+
+def _check_optimizer_key(wrapper: dict) -> None:
+    """The default constructor builds ``optimizer`` from a dict (anything
+    else failed in ``runner.train()`` with an AttributeError)."""
+    optimizer = wrapper.get('optimizer', None)
+    if 'optimizer' in wrapper and not isinstance(optimizer, dict):
+        raise MmdtrError(
+            f'optim_wrapper.optimizer={optimizer!r} is not accepted: '
+            "MMEngine's default constructor builds it from a dict with a "
+            'type.',
+            hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
 
 
 def _check_wrapper_keys(wrapper: dict, default_scope) -> None:

@@ -154,8 +154,20 @@ SGD = dict(type='SGD', lr=0.1)
             generator=dict(optimizer=SGD),
             discriminator=dict(optimizer=SGD, accumulative_count=2)),
          r'optim_wrapper.accumulative_count=2 is not accepted'),
+        (dict(optimizer=SGD,
+              clip_grad=3), r'optim_wrapper.clip_grad=3 is not accepted'),
+        (dict(optimizer=SGD, clip_grad=dict(type='foo', max_norm=1)),
+         r"optim_wrapper.clip_grad.type='foo' is not accepted"),
+        (dict(type='mmengine.OptimWrapper', optimizer=[1]),
+         r'optim_wrapper.optimizer=\[1\] is not accepted'),
+        (dict(type='InplaceOptimWrapper', optimizer=[1]),
+         r'optim_wrapper.optimizer=\[1\] is not accepted'),
     ],
-    ids=['key_typo', 'amp_key_typo', 'type_typo', 'a_string', 'in_a_dict'])
+    ids=[
+        'key_typo', 'amp_key_typo', 'type_typo', 'a_string', 'in_a_dict',
+        'clip_grad_not_a_dict', 'clip_grad_type', 'optimizer_a_list',
+        'inplace_optimizer_a_list'
+    ])
 def test_bad_wrapper_configs_fail_at_translation(optim_wrapper, match):
     # MMEngine failed on each in runner.train(), in a traceback (found by
     # an adversarial search)
