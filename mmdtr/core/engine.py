@@ -5,9 +5,8 @@ hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
 holds the state, its records and the dispatch hot path; the state's
 accounting, eviction, recipe, replay, saved-tensor and in-place write
 methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
-:mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors` and :mod:`.writes`.
-The rules
-cited as R1..R13 are in docs/design.md.
+:mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors`, :mod:`.writes` and
+:mod:`.foreign_memory`. The rules cited as R1..R14 are in docs/design.md.
 """
 import contextlib
 import random
@@ -17,6 +16,7 @@ import torch
 
 from .accounting import Accounting
 from .eviction import Evictor
+from .foreign_memory import ForeignMemory
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
                            batch_norm_in_training, get_arg, op_info)
 from .recipes import AllocNode, Recipes
@@ -87,8 +87,8 @@ def _input_storages(args, kwargs) -> set:
     }
 
 
-class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
-                  Writes):
+class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
+                  SavedTensors, Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -113,6 +113,9 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         self.transients = {}
         # external storage address -> (WeakList of users, weakref to it)
         self.external_users = {}
+        # non-resizable storages compared once by address, and the pairs
+        # of storages sharing memory (R14)
+        self.foreign, self.shared_with = {}, {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
@@ -324,6 +327,7 @@ class EngineState(Accounting, Evictor, Recipes, Replayer, SavedTensors,
         self.records = {}
         self.transients = {}
         self.external_users = {}
+        self.foreign, self.shared_with = {}, {}
         for rec in self.candidates:
             rec.cand_index = -1
         self.candidates = []

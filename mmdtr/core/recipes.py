@@ -290,6 +290,7 @@ class Recipes:
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
+                    self._note_if_foreign(storage)  # (R14)
                     wref = StorageRef(storage, self._forget_external)
                     wref.cdata, wref.nbytes = storage._cdata, 0
                     entry = self.external_users[storage._cdata] = (WeakList(),

@@ -73,7 +73,18 @@ class Writes:
     """
 
     def _before_write(self, t):
-        cdata = t.untyped_storage()._cdata
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        if cdata not in self.records:  # memory shared outside (R14)
+            self._note_if_foreign(storage)
+        self._freeze_readers(cdata)
+        if self.shared_with:
+            for other in self.shared_with.get(cdata, ()):
+                self._freeze_readers(other)
+
+    def _freeze_readers(self, cdata):
+        """Freeze the records reading storage ``cdata`` at a version that
+        cannot be rebuilt, before it is written (R7)."""
         rec = self.records.get(cdata)
         if rec is not None:
             if rec.recomputable(rec.version) or not rec.users:
@@ -183,6 +194,8 @@ class Writes:
         """Version ``t``'s storage after a write; ``node`` replays it
         (``None``: not replayable)."""
         storage = t.untyped_storage()
+        if self.shared_with:  # memory shared outside changed too (R14)
+            self._after_shared_write(storage._cdata)
         rec = self.records.get(storage._cdata)
         if rec is None:
             return
@@ -214,8 +227,14 @@ class Writes:
                 rec.mutations = [node]
             rec.cost += node.cost
             self._link(rec, node)
-        elif rec.lo is not None and rec.hi is None:
-            rec.hi = rec.version - 1  # older versions stay recomputable
+        else:
+            self._cap_hi(rec)
+
+    def _cap_hi(self, rec):
+        """``rec`` was written by what no recipe replays: its versions
+        before stay recomputable, the one now does not (R5)."""
+        if rec.lo is not None and rec.hi is None:
+            rec.hi = rec.version - 1
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
 
