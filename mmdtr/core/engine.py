@@ -113,9 +113,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.transients = {}
         # external storage address -> (WeakList of users, weakref to it)
         self.external_users = {}
-        # non-resizable storages compared once by address, and the pairs
-        # of storages sharing memory (R14)
-        self.foreign, self.shared_with = {}, {}
+        # device -> AddressIndex of the storages recipes may read, and of
+        # the non-resizable ones among those held from outside (R14)
+        self.address_index, self.foreign_index = {}, {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
@@ -327,7 +327,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.records = {}
         self.transients = {}
         self.external_users = {}
-        self.foreign, self.shared_with = {}, {}
+        self.address_index, self.foreign_index = {}, {}
         for rec in self.candidates:
             rec.cand_index = -1
         self.candidates = []

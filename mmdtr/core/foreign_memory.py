@@ -4,74 +4,121 @@ The engine tells storages apart by their ``StorageImpl`` (R2). DLPack and
 NumPy make another one over the same memory, outside the dispatcher
 (``torch.from_dlpack(t)``, ``torch.from_numpy(t.numpy())``): a write
 through either is a write to both. Such storages wrap memory they did not
-allocate, so they cannot be resized: a storage that is not resizable is
-compared once, by address range, with every storage the engine knows, and
-the pairs that overlap are kept (R14 of docs/design.md). This mixin of
-:class:`~mmdtr.core.engine.EngineState` only groups the methods (one state
-object per engine).
+allocate, so they are not resizable. The engine keeps the address ranges
+of the storages recipes may read (recorded, and held from outside) in an
+index per device, and those of the non-resizable ones held by recipes in
+another; a write through a non-resizable storage, or any write while one
+is held, looks up the storages it overlaps (R14 of docs/design.md). This
+mixin of :class:`~mmdtr.core.engine.EngineState` only groups the methods
+(one state object per engine).
 """
-from .records import StorageRef
+from bisect import bisect_left, bisect_right
+
+
+class AddressIndex:
+    """Address ranges of live storages on one device, sorted by start.
+
+    Args:
+        disjoint (bool): Whether the ranges never overlap (storages the
+            allocator made: a look-up stops at the first range that ends
+            before the one asked for); else it looks back as far as the
+            longest range added.
+    """
+    __slots__ = ('disjoint', 'starts', 'ends', 'cdatas', 'longest')
+
+    def __init__(self, disjoint: bool):
+        self.disjoint = disjoint
+        self.starts, self.ends, self.cdatas = [], [], []
+        self.longest = 0
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def add(self, start: int, end: int, cdata: int) -> None:
+        i = bisect_right(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.cdatas.insert(i, cdata)
+        self.longest = max(self.longest, end - start)
+
+    def remove(self, start: int, cdata: int) -> None:
+        starts, i = self.starts, bisect_left(self.starts, start)
+        while i < len(starts) and starts[i] == start:
+            if self.cdatas[i] == cdata:
+                del starts[i], self.ends[i], self.cdatas[i]
+                return
+            i += 1
+
+    def overlapping(self, start: int, end: int) -> list:
+        """Addresses of the storages whose range meets ``[start, end)``."""
+        starts, ends, found = self.starts, self.ends, []
+        i = bisect_left(starts, end) - 1
+        lowest = start - self.longest
+        while i >= 0 and starts[i] >= lowest:
+            if ends[i] > start:
+                found.append(self.cdatas[i])
+            elif self.disjoint:
+                break  # every range before ends earlier
+            i -= 1
+        return found
 
 
 class ForeignMemory:
-    """Pairs storages that share memory; mixed into ``EngineState``.
+    """Finds the storages sharing memory with one being written; mixed into
+    ``EngineState``.
 
-    Uses the state's ``records``, ``external_users``, ``lock``,
-    ``foreign`` (address of a non-resizable storage compared once -> its
-    :class:`StorageRef`) and ``shared_with`` (address -> addresses of the
-    storages sharing its memory, both ways).
+    Uses the state's ``records`` and ``address_index`` / ``foreign_index``
+    (device -> :class:`AddressIndex`: the storages recipes may read, the
+    allocator's; the non-resizable ones held by recipes).
     """
 
-    def _note_if_foreign(self, storage) -> None:
-        """Compare a storage that is not resizable with those known, once
-        (R14). Called for storages the engine did not record, when a recipe
-        first holds one and before one is written."""
-        cdata = storage._cdata
-        if cdata in self.foreign or storage.resizable():
-            return
-        ref = StorageRef(storage, self._forget_foreign)
-        ref.cdata, ref.nbytes = cdata, 0
-        self.foreign[cdata] = ref
-        start = storage.data_ptr()
-        end, device = start + storage.nbytes(), storage.device
+    def _index(self, indexes, wref, storage, disjoint) -> None:
+        """Add ``storage``, weakly referenced by ``wref``, to its device's
+        index in ``indexes`` (zero-size storages have no range)."""
+        wref.start = start = storage.data_ptr()
+        end = start + storage.nbytes()
         if end == start:
             return
-        for other in self._known_storages():
-            if other is None or other._cdata == cdata \
-                    or other.device != device:
-                continue
-            other_start = other.data_ptr()
-            if other_start < end and start < other_start + other.nbytes():
-                self.shared_with.setdefault(cdata, []).append(other._cdata)
-                self.shared_with.setdefault(other._cdata, []).append(cdata)
+        index = indexes.get(wref.device)
+        if index is None:
+            index = indexes[wref.device] = AddressIndex(disjoint)
+        index.add(start, end, wref.cdata)
 
-    def _known_storages(self):
-        """The live storages the engine knows: recorded, held by recipes,
-        and compared before."""
-        for rec in self.records.values():
-            yield rec.storage()
-        for _, ref in self.external_users.values():
-            yield ref()
-        for ref in self.foreign.values():
-            yield ref()
+    def _unindex(self, indexes, wref) -> None:
+        index = indexes.get(wref.device)
+        if index is not None:
+            index.remove(wref.start, wref.cdata)
+            if not index:
+                del indexes[wref.device]
 
-    def _forget_foreign(self, ref) -> None:
-        with self.lock:  # any thread may free it (R12)
-            if self.foreign.get(ref.cdata) is not ref:
-                return
-            del self.foreign[ref.cdata]
-            for other in self.shared_with.pop(ref.cdata, ()):
-                peers = self.shared_with.get(other)
-                if peers is not None and ref.cdata in peers:
-                    peers.remove(ref.cdata)
-                    if not peers:
-                        del self.shared_with[other]
+    def _index_held(self, wref, storage) -> None:
+        """A recipe holds ``storage`` from outside (R14)."""
+        wref.device = storage.device
+        if storage.resizable():
+            self._index(self.address_index, wref, storage, True)
+        else:
+            self._index(self.foreign_index, wref, storage, False)
 
-    def _after_shared_write(self, cdata) -> None:
-        """A write to storage ``cdata`` changed the records sharing its
-        memory too: their new versions cannot be rebuilt (R5, R14)."""
-        for other in self.shared_with.get(cdata, ()):
-            rec = self.records.get(other)
-            if rec is not None:
-                rec.version += 1
-                self._cap_hi(rec)
+    def _unindex_held(self, wref) -> None:
+        self._unindex(self.address_index, wref)
+        self._unindex(self.foreign_index, wref)
+
+    def _sharing_memory(self, storage, cdata) -> list:
+        """Addresses of the other storages recipes may read that share
+        memory with ``storage``: recorded or held ones when it is not
+        resizable (a DLPack or NumPy alias), and non-resizable ones held
+        by recipes (R14)."""
+        foreign = self.foreign_index
+        alias = cdata not in self.records and not storage.resizable()
+        if not (alias or foreign):
+            return []
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        if end == start:
+            return []
+        device, found = storage.device, []
+        if alias and device in self.address_index:
+            found += self.address_index[device].overlapping(start, end)
+        if device in foreign:
+            found += foreign[device].overlapping(start, end)
+        return [other for other in found if other != cdata]

@@ -290,13 +290,16 @@ class Recipes:
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
-                    self._note_if_foreign(storage)  # (R14)
                     wref = StorageRef(storage, self._forget_external)
                     wref.cdata, wref.nbytes = storage._cdata, 0
+                    self._index_held(wref, storage)  # (R14)
                     entry = self.external_users[storage._cdata] = (WeakList(),
                                                                    wref)
                 entry[0].add(rec)
 
     def _forget_external(self, wref):
         with self.lock:  # any thread may free it (R12)
-            self.external_users.pop(wref.cdata, None)
+            entry = self.external_users.get(wref.cdata)
+            if entry is not None and entry[1] is wref:
+                del self.external_users[wref.cdata]
+            self._unindex_held(wref)

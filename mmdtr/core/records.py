@@ -47,8 +47,9 @@ def detached_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 class StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers its address and size."""
-    __slots__ = ('cdata', 'nbytes')
+    """A weak reference to a storage that remembers its address and size,
+    and, once indexed (R14), its device and where its memory starts."""
+    __slots__ = ('cdata', 'nbytes', 'device', 'start')
 
 
 class EvictedClass:

@@ -185,9 +185,9 @@ class Replayer:
                 f'{version} (recomputable: {rec.lo}..{rec.hi}).',
                 'This is an engine bug (rule R7 should have kept it); '
                 'please report it with the model.')
-        if memo is None:  # the outermost rebuild keeps what it rebuilds
-            self.rebuilt = {}
         try:
+            if memo is None:  # the outermost rebuild keeps what it rebuilds
+                self.rebuilt = {}
             with _deep_recursion():
                 storage = self._rebuild(rec, version)
         except RecursionError as e:

@@ -75,12 +75,9 @@ class Writes:
     def _before_write(self, t):
         storage = t.untyped_storage()
         cdata = storage._cdata
-        if cdata not in self.records:  # memory shared outside (R14)
-            self._note_if_foreign(storage)
         self._freeze_readers(cdata)
-        if self.shared_with:
-            for other in self.shared_with.get(cdata, ()):
-                self._freeze_readers(other)
+        for other in self._sharing_memory(storage, cdata):  # (R14)
+            self._freeze_readers(other)
 
     def _freeze_readers(self, cdata):
         """Freeze the records reading storage ``cdata`` at a version that
@@ -194,8 +191,11 @@ class Writes:
         """Version ``t``'s storage after a write; ``node`` replays it
         (``None``: not replayable)."""
         storage = t.untyped_storage()
-        if self.shared_with:  # memory shared outside changed too (R14)
-            self._after_shared_write(storage._cdata)
+        for other in self._sharing_memory(storage, storage._cdata):
+            shared = self.records.get(other)  # written too (R14)
+            if shared is not None:
+                shared.version += 1
+                self._cap_hi(shared)
         rec = self.records.get(storage._cdata)
         if rec is None:
             return
@@ -251,6 +251,10 @@ class Writes:
             self._meter_device(rec.device)
         self.in_use += nbytes - rec.nbytes
         rec.nbytes = nbytes
+        storage = rec.storage()
+        if storage is not None:  # it may have moved (R14)
+            self._unindex(self.address_index, rec.wref)
+            self._index(self.address_index, rec.wref, storage, True)
         if self.in_use > self.peak and not self.cuda:
             self.peak = self.in_use
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmdtr.core.foreign_memory import AddressIndex
 from mmdtr.dtr import DTR
 
 ALIASES = {
@@ -92,20 +93,58 @@ def test_a_write_to_shared_memory_writes_each_storage(make_body, alias):
     assert stats.evictions > 0 and stats.recomputations > 0
 
 
-def test_pairs_are_made_once_and_forgotten_with_the_storage():
+def test_a_write_through_an_alias_seen_first_reaches_a_later_reader():
+    # the alias was compared once, when first written, before a recipe
+    # held the input it shares memory with (found by a review)
+    def body(x, w):
+        t = x[0].clone()
+        shared = torch.from_dlpack(t)
+        shared.add_(0.0)  # seen before any recipe reads t
+        y = t * w[0]  # its recipe holds t
+        z = y.sin()  # saves y
+        del y
+        torch.ones(2**16).sum()  # memory rises: y is evicted here
+        shared.add_(1.0)  # t's memory
+        z.sum().backward()
+
+    x, w = _inputs()
+    grad_ref, _ = _grad(body, x, w, None)
+    grad, stats = _grad(body, x, w, threshold=1)
+    assert torch.equal(grad, grad_ref) and stats.recomputations > 0
+
+
+def test_address_index():
+    disjoint = AddressIndex(disjoint=True)
+    for start, cdata in ((100, 1), (0, 2), (300, 3)):
+        disjoint.add(start, start + 50, cdata)
+    assert disjoint.overlapping(120, 121) == [1]
+    assert sorted(disjoint.overlapping(40, 320)) == [1, 2, 3]
+    assert disjoint.overlapping(50, 100) == []  # ends are exclusive
+    disjoint.remove(100, 1)
+    assert disjoint.overlapping(0, 400) == [3, 2] and len(disjoint) == 2
+    nested = AddressIndex(disjoint=False)  # aliases of one array overlap
+    nested.add(0, 1000, 1)
+    nested.add(10, 20, 2)
+    nested.add(500, 510, 3)
+    assert sorted(nested.overlapping(505, 506)) == [1, 3]
+    assert nested.overlapping(30, 40) == [1]
+
+
+def test_the_indexes_follow_the_storages():
     x, w = _inputs()
     with DTR(eviction_threshold='1GB') as engine:
         state = engine._state
-        h = x @ w
-        other = torch.from_numpy(np.ones(4, dtype=np.float32))  # its own
-        other.mul_(2.0)
-        other_cdata = other.untyped_storage()._cdata
-        assert other_cdata in state.foreign and not state.shared_with
-        del other
-        assert other_cdata not in state.foreign  # forgotten when freed
-        alias = torch.from_dlpack(h.detach())
-        alias.add_(1.0)
-        pair = [alias.untyped_storage()._cdata, h.untyped_storage()._cdata]
-        assert sorted(state.shared_with) == sorted(pair)
-        del alias
-        assert not state.shared_with and not state.foreign
+
+        def indexed(indexes):
+            return {c for index in indexes.values() for c in index.cdatas}
+
+        h = x @ w  # recorded; its recipe holds x and w from outside
+        held = {t.untyped_storage()._cdata for t in (x, w)}
+        h_cdata = h.untyped_storage()._cdata
+        assert indexed(state.address_index) == held | {h_cdata}
+        other = torch.from_numpy(np.ones(16, dtype=np.float32))
+        y = other * w[0]  # held from outside, not resizable
+        assert indexed(state.foreign_index) == {other.untyped_storage()._cdata}
+        del h, y, other  # freed: out of the indexes
+        assert indexed(state.address_index) == held
+        assert not state.foreign_index
