@@ -95,21 +95,31 @@ def test_a_write_to_shared_memory_writes_each_storage(make_body, alias):
 
 def test_a_write_through_an_alias_seen_first_reaches_a_later_reader():
     # the alias was compared once, when first written, before a recipe
-    # held the input it shares memory with (found by a review)
-    def body(x, w):
-        t = x[0].clone()
-        shared = torch.from_dlpack(t)
+    # held the input made before the scope that it shares memory with
+    # (found by a review)
+    def body(t, shared, w):
         shared.add_(0.0)  # seen before any recipe reads t
-        y = t * w[0]  # its recipe holds t
+        y = t * w  # its recipe holds t
         z = y.sin()  # saves y
         del y
         torch.ones(2**16).sum()  # memory rises: y is evicted here
         shared.add_(1.0)  # t's memory
         z.sum().backward()
 
-    x, w = _inputs()
-    grad_ref, _ = _grad(body, x, w, None)
-    grad, stats = _grad(body, x, w, threshold=1)
+    def run(threshold):
+        t = torch.arange(8.0)
+        w = torch.linspace(0.5, 1.5, 8).requires_grad_()
+        if threshold is None:
+            body(t, torch.from_dlpack(t), w)
+            return w.grad, None
+        with DTR(
+                eviction_threshold=threshold,
+                evictee_minimum_size=1) as engine:
+            body(t, torch.from_dlpack(t), w)
+        return w.grad, engine.stats
+
+    grad_ref, _ = run(None)
+    grad, stats = run(threshold=1)
     assert torch.equal(grad, grad_ref) and stats.recomputations > 0
 
 
