@@ -120,7 +120,8 @@ class Accounting:
             rec.cdata = rec.wref = None
             if rec.cand_index >= 0:
                 self._drop_candidate(rec)
-            elif rec.lo is not None and rec.has_live_users():
+            elif self.classes and rec.lo is not None \
+                    and rec.has_live_users():
                 # fake deletion: its users' recipes still need it, so it
                 # counts in their evicted neighbourhood (R8)
                 rec.join_evicted_class()

@@ -105,6 +105,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
     def __init__(self, threshold, min_size, sqrt_sampling, policy, device):
         self.threshold, self.min_size = threshold, min_size
         self.sqrt_sampling, self.policy = sqrt_sampling, policy
+        # DTR's evicted classes, kept only for a policy that reads e* (R8)
+        self.classes = getattr(policy, 'uses_evicted_classes', True)
         self.device = self.cuda = None
         if device is not None:
             self._meter_device(torch.device(device))

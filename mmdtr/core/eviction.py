@@ -98,7 +98,8 @@ class Evictor:
 
     def _evict(self, rec):
         self._drop_candidate(rec)
-        rec.join_evicted_class()
+        if self.classes:  # (R8)
+            rec.join_evicted_class()
         if rec.alias_refs:  # saved handles read where the counters were
             for ref in rec.alias_refs.values():  # (R10)
                 ref.dropped_version = ref.version()

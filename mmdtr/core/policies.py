@@ -17,9 +17,18 @@ class EvictionPolicy:
     from its inputs), ``last_access`` (clock of the last use),
     ``remat_count`` (times recomputed) and ``evicted_neighborhood_cost()``
     (cost of the evicted equivalence classes around it, DTR's e*).
+
+    Attributes:
+        name (str): The name it is registered under.
+        uses_evicted_classes (bool): Whether :meth:`score` reads
+            ``evicted_neighborhood_cost()``. The engine keeps DTR's evicted
+            equivalence classes only for policies that do (keeping them
+            costs time near the memory floor, R8); a subclass that does not
+            read them may set it to False.
     """
 
     name = 'base'
+    uses_evicted_classes = True
 
     def score(self, record, clock: int) -> float:
         raise NotImplementedError
@@ -53,6 +62,7 @@ class LocalDTRPolicy(DTRPolicy):
     """DTR's heuristic without the neighbourhood term (cheaper, local)."""
 
     name = 'dtr_local'
+    uses_evicted_classes = False
 
     def score(self, record, clock: int) -> float:
         cost = record.cost * (1.0 +
@@ -64,6 +74,7 @@ class LRUPolicy(EvictionPolicy):
     """Evict the least recently used storage."""
 
     name = 'lru'
+    uses_evicted_classes = False
 
     def score(self, record, clock: int) -> float:
         return float(record.last_access)
@@ -73,6 +84,7 @@ class LargestFirstPolicy(EvictionPolicy):
     """Evict the largest storage."""
 
     name = 'largest'
+    uses_evicted_classes = False
 
     def score(self, record, clock: int) -> float:
         return -float(record.nbytes)
