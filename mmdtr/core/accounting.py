@@ -93,9 +93,7 @@ class Accounting:
         if rec is None:
             rec = StorageRecord(nbytes, storage.device, self.clock)
         rec.cdata = cdata
-        rec.wref = wref = self._count(storage, cdata, nbytes, self._on_free)
-        wref.device = rec.device
-        self._index(self.address_index, wref, storage, True)  # (R14)
+        rec.wref = self._count(storage, cdata, nbytes, self._on_free)
         self.records[cdata] = rec
         return rec
 
@@ -115,7 +113,6 @@ class Accounting:
             rec = self.records.pop(wref.cdata, None)
             if rec is None or rec.wref is not wref:
                 return
-            self._unindex(self.address_index, wref)
             self.in_use -= rec.nbytes
             rec.cdata = rec.wref = None
             if rec.cand_index >= 0:

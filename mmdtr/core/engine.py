@@ -19,6 +19,7 @@ from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
                            batch_norm_in_training, get_arg, op_info)
+from .policies import keeps_evicted_classes
 from .recipes import AllocNode, Recipes
 from .records import _PLAIN, WeakList, managed
 from .replay import Replayer
@@ -106,7 +107,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.threshold, self.min_size = threshold, min_size
         self.sqrt_sampling, self.policy = sqrt_sampling, policy
         # DTR's evicted classes, kept only for a policy that reads e* (R8)
-        self.classes = getattr(policy, 'uses_evicted_classes', True)
+        self.classes = keeps_evicted_classes(policy)
         self.device = self.cuda = None
         if device is not None:
             self._meter_device(torch.device(device))
@@ -115,9 +116,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.transients = {}
         # external storage address -> (WeakList of users, weakref to it)
         self.external_users = {}
-        # device -> AddressIndex of the storages recipes may read, and of
-        # the non-resizable ones among those held from outside (R14)
-        self.address_index, self.foreign_index = {}, {}
+        # device -> AddressIndex of the non-resizable storages held by
+        # recipes from outside (R14)
+        self.foreign_index = {}
         self.candidates = []  # evictable records (R3)
         self.clock = 0
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
@@ -329,7 +330,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.records = {}
         self.transients = {}
         self.external_users = {}
-        self.address_index, self.foreign_index = {}, {}
+        self.foreign_index = {}
         for rec in self.candidates:
             rec.cand_index = -1
         self.candidates = []

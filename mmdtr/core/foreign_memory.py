@@ -4,13 +4,12 @@ The engine tells storages apart by their ``StorageImpl`` (R2). DLPack and
 NumPy make another one over the same memory, outside the dispatcher
 (``torch.from_dlpack(t)``, ``torch.from_numpy(t.numpy())``): a write
 through either is a write to both. Such storages wrap memory they did not
-allocate, so they are not resizable. The engine keeps the address ranges
-of the storages recipes may read (recorded, and held from outside) in an
-index per device, and those of the non-resizable ones held by recipes in
-another; a write through a non-resizable storage, or any write while one
-is held, looks up the storages it overlaps (R14 of docs/design.md). This
-mixin of :class:`~mmdtr.core.engine.EngineState` only groups the methods
-(one state object per engine).
+allocate, so they are not resizable. A write through one the engine did not
+record walks the storages recipes may read for those it overlaps, at their
+addresses then; the non-resizable storages recipes hold are kept in an
+index by address, looked up at every write while there are any (R14 of
+docs/design.md). This mixin of :class:`~mmdtr.core.engine.EngineState`
+only groups the methods (one state object per engine).
 """
 from bisect import bisect_left, bisect_right
 
@@ -18,16 +17,12 @@ from bisect import bisect_left, bisect_right
 class AddressIndex:
     """Address ranges of live storages on one device, sorted by start.
 
-    Args:
-        disjoint (bool): Whether the ranges never overlap (storages the
-            allocator made: a look-up stops at the first range that ends
-            before the one asked for); else it looks back as far as the
-            longest range added.
+    Ranges may overlap (two aliases of one array): a look-up looks back as
+    far as the longest range added.
     """
-    __slots__ = ('disjoint', 'starts', 'ends', 'cdatas', 'longest')
+    __slots__ = ('starts', 'ends', 'cdatas', 'longest')
 
-    def __init__(self, disjoint: bool):
-        self.disjoint = disjoint
+    def __init__(self):
         self.starts, self.ends, self.cdatas = [], [], []
         self.longest = 0
 
@@ -57,57 +52,54 @@ class AddressIndex:
         while i >= 0 and starts[i] >= lowest:
             if ends[i] > start:
                 found.append(self.cdatas[i])
-            elif self.disjoint:
-                break  # every range before ends earlier
             i -= 1
         return found
+
+
+def _meets(storage, start: int, end: int, device) -> bool:
+    """Whether live ``storage`` has memory in ``[start, end)`` on
+    ``device``."""
+    if storage is None or storage.device != device:
+        return False
+    other = storage.data_ptr()
+    return other < end and start < other + storage.nbytes()
 
 
 class ForeignMemory:
     """Finds the storages sharing memory with one being written; mixed into
     ``EngineState``.
 
-    Uses the state's ``records`` and ``address_index`` / ``foreign_index``
-    (device -> :class:`AddressIndex`: the storages recipes may read, the
-    allocator's; the non-resizable ones held by recipes).
+    Uses the state's ``records``, ``external_users`` and ``foreign_index``
+    (device -> :class:`AddressIndex` of the non-resizable storages held by
+    recipes).
     """
 
-    def _index(self, indexes, wref, storage, disjoint) -> None:
-        """Add ``storage``, weakly referenced by ``wref``, to its device's
-        index in ``indexes`` (zero-size storages have no range)."""
-        wref.start = start = storage.data_ptr()
-        end = start + storage.nbytes()
-        if end == start:
+    def _index_held(self, wref, storage) -> None:
+        """A recipe holds ``storage`` from outside: indexed if it is not
+        resizable (its memory cannot move then, R14)."""
+        if storage.resizable():
             return
-        index = indexes.get(wref.device)
-        if index is None:
-            index = indexes[wref.device] = AddressIndex(disjoint)
-        index.add(start, end, wref.cdata)
+        wref.device, wref.start = storage.device, storage.data_ptr()
+        end = wref.start + storage.nbytes()
+        if end != wref.start:
+            index = self.foreign_index.get(wref.device)
+            if index is None:
+                index = self.foreign_index[wref.device] = AddressIndex()
+            index.add(wref.start, end, wref.cdata)
 
-    def _unindex(self, indexes, wref) -> None:
-        index = indexes.get(wref.device)
+    def _unindex_held(self, wref) -> None:
+        index = self.foreign_index.get(getattr(wref, 'device', None))
         if index is not None:
             index.remove(wref.start, wref.cdata)
             if not index:
-                del indexes[wref.device]
-
-    def _index_held(self, wref, storage) -> None:
-        """A recipe holds ``storage`` from outside (R14)."""
-        wref.device = storage.device
-        if storage.resizable():
-            self._index(self.address_index, wref, storage, True)
-        else:
-            self._index(self.foreign_index, wref, storage, False)
-
-    def _unindex_held(self, wref) -> None:
-        self._unindex(self.address_index, wref)
-        self._unindex(self.foreign_index, wref)
+                del self.foreign_index[wref.device]
 
     def _sharing_memory(self, storage, cdata) -> list:
         """Addresses of the other storages recipes may read that share
-        memory with ``storage``: recorded or held ones when it is not
-        resizable (a DLPack or NumPy alias), and non-resizable ones held
-        by recipes (R14)."""
+        memory with ``storage``: when it is not resizable and not recorded
+        (a DLPack or NumPy alias), every one met at its address now (a walk:
+        such writes are rare); and, while recipes hold non-resizable
+        storages, those of them it meets (R14)."""
         foreign = self.foreign_index
         alias = cdata not in self.records and not storage.resizable()
         if not (alias or foreign):
@@ -116,9 +108,16 @@ class ForeignMemory:
         end = start + storage.nbytes()
         if end == start:
             return []
-        device, found = storage.device, []
-        if alias and device in self.address_index:
-            found += self.address_index[device].overlapping(start, end)
+        device, found = storage.device, {}
+        if alias:  # snapshots: a finalizer may change the tables meanwhile
+            for rec in list(self.records.values()):
+                if _meets(rec.storage(), start, end, device):
+                    found[rec.cdata] = None
+            for other, (_, ref) in list(self.external_users.items()):
+                if _meets(ref(), start, end, device):
+                    found[other] = None
         if device in foreign:
-            found += foreign[device].overlapping(start, end)
-        return [other for other in found if other != cdata]
+            found.update(
+                dict.fromkeys(foreign[device].overlapping(start, end)))
+        found.pop(cdata, None)
+        return list(found)

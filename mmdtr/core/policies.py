@@ -96,6 +96,23 @@ POLICIES: Dict[str, Type[EvictionPolicy]] = {
 }
 
 
+def keeps_evicted_classes(policy) -> bool:
+    """Whether the engine keeps DTR's evicted classes for ``policy``: unless
+    it says it does not read e* (``uses_evicted_classes = False``) on the
+    instance, or on the class that defines its ``score`` or a subclass of
+    it. A subclass of ``LocalDTRPolicy`` whose own ``score`` reads e* keeps
+    them (R8)."""
+    if 'uses_evicted_classes' in vars(policy):
+        return bool(policy.uses_evicted_classes)
+    for klass in type(policy).__mro__:
+        declares = 'uses_evicted_classes' in vars(klass)
+        if declares:
+            return bool(klass.uses_evicted_classes)
+        if 'score' in vars(klass):
+            return True  # a score written without saying: it may read e*
+    return True
+
+
 def build_policy(policy) -> EvictionPolicy:
     """Return a policy from a name in :data:`POLICIES` or an instance.
 

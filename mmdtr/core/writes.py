@@ -251,10 +251,6 @@ class Writes:
             self._meter_device(rec.device)
         self.in_use += nbytes - rec.nbytes
         rec.nbytes = nbytes
-        storage = rec.storage()
-        if storage is not None:  # it may have moved (R14)
-            self._unindex(self.address_index, rec.wref)
-            self._index(self.address_index, rec.wref, storage, True)
         if self.in_use > self.peak and not self.cuda:
             self.peak = self.in_use
 

@@ -8,7 +8,7 @@ import torch
 
 from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
                                  LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
-                                 build_policy)
+                                 build_policy, keeps_evicted_classes)
 from mmdtr.core.records import StorageRecord
 from mmdtr.errors import MmdtrError
 
@@ -148,3 +148,21 @@ def _evicted(state):
             seen[id(rec)] = rec
             stack.extend(rec.inputs)
     return [rec for rec in seen.values() if not rec.resident]
+
+
+class _ReadsEStar(LocalDTRPolicy):
+    """A subclass of a policy that does not read e*, whose score does."""
+
+    def score(self, record, clock):
+        return record.evicted_neighborhood_cost() - record.nbytes
+
+
+def test_a_subclass_whose_score_reads_e_star_keeps_the_classes():
+    # inheriting uses_evicted_classes=False from LocalDTRPolicy, its e*
+    # read 0 (found by a review)
+    assert keeps_evicted_classes(_ReadsEStar())
+    assert not keeps_evicted_classes(LocalDTRPolicy())
+    quiet = _ReadsEStar()
+    quiet.uses_evicted_classes = False  # said on the instance: honoured
+    assert not keeps_evicted_classes(quiet)
+    assert keeps_evicted_classes(DTRPolicy())
