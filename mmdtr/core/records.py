@@ -52,6 +52,12 @@ class StorageRef(weakref.ref):
     __slots__ = ('cdata', 'nbytes', 'device', 'start')
 
 
+#: Classes with more members than this are not split when a member is
+#: rebuilt, only their cost drops: re-forming one costs time linear in it,
+#: on every rebuild (R8).
+SPLIT_AT_MOST = 128
+
+
 class EvictedClass:
     """A union-find node of DTR's evicted equivalence classes.
 
@@ -287,13 +293,29 @@ class StorageRecord:
 
         DTR's prototype never splits (union-find cannot), so a class keeps
         the cost of members rebuilt since and e* grows stale near the memory
-        floor. Here the class is re-formed from its members still evicted,
-        in time linear in its size (rule R8).
+        floor. Here a storage with at most one evicted neighbour in its
+        class (the end of a chain) only takes its cost out; otherwise the
+        class is re-formed from its members still evicted, in time linear in
+        its size (rule R8).
         """
         if self.evicted_class is None:
             return
         root = self.evicted_class.root()
         self.evicted_class = None
+        inside = 0
+        for rec in self.evicted_neighbours():
+            if rec.evicted_class.root() is root:
+                inside += 1
+                if inside > 1:
+                    break
+        if inside <= 1 or len(root.members) > SPLIT_AT_MOST:
+            # at most one neighbour in the class: not a cut vertex, the
+            # rest stays connected, only its cost goes. Rebuilding a chain
+            # link by link from one end is then linear, not quadratic. A
+            # larger class keeps its members connected, as DTR's union-find
+            # does, with its cost exact (R8)
+            root.cost -= self.cost
+            return
         others = {}
         for ref in root.members:
             rec = ref()

@@ -6,6 +6,7 @@ pure function of a record and the clock.
 import pytest
 import torch
 
+from mmdtr.core import records
 from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
                                  LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
                                  build_policy, keeps_evicted_classes)
@@ -88,6 +89,31 @@ def test_rebuilt_storage_splits_its_evicted_class():
     b.leave_evicted_class()
     assert a.evicted_neighborhood_cost() == 0
     assert e.evicted_neighborhood_cost() == 4.0 + 8.0
+
+
+def test_a_chain_end_or_a_large_class_only_loses_the_rebuilt_cost(monkeypatch):
+    # re-forming the class on every rebuild was quadratic along a chain
+    # (found by an adversarial search): an end of the chain cannot split
+    # it, and a class above SPLIT_AT_MOST members is kept whole
+    a, b, c, d, e = (
+        record(100, cost, 0) for cost in (1.0, 2.0, 4.0, 8.0, 16.0))
+    chain(a, b, c, d, e)
+    for rec in (b, c, d):  # one class b-c-d
+        rec.cdata = None
+        rec.join_evicted_class()
+    b.cdata = 1  # an end of the chain is rebuilt: c-d stays one class
+    b.leave_evicted_class()
+    assert c.evicted_class.root() is d.evicted_class.root()
+    assert a.evicted_neighborhood_cost() == 0
+    assert b.evicted_neighborhood_cost() == e.evicted_neighborhood_cost() \
+        == 4.0 + 8.0
+    b.cdata = None
+    b.join_evicted_class()
+    monkeypatch.setattr(records, 'SPLIT_AT_MOST', 2)
+    c.cdata = 1  # the middle of a class of 3 > 2: not split, as DTR's
+    c.leave_evicted_class()  # union-find keeps it, its cost exact
+    assert b.evicted_class.root() is d.evicted_class.root()
+    assert a.evicted_neighborhood_cost() == 2.0 + 8.0
 
 
 def test_lru_and_largest_first():
