@@ -67,13 +67,20 @@ def test_evicted_neighbourhood_uses_union_find_classes():
     assert local.score(a, 10) < DTRPolicy().score(a, 10)
 
 
-def test_rebuilt_storage_splits_its_evicted_class():
+def _chain_with_class_b_c_d():
+    """Records a -> b -> c -> d -> e costing 1, 2, 4, 8 and 16, with b, c
+    and d evicted: one class."""
     a, b, c, d, e = (
         record(100, cost, 0) for cost in (1.0, 2.0, 4.0, 8.0, 16.0))
     chain(a, b, c, d, e)
-    for rec in (b, c, d):  # one class b-c-d
+    for rec in (b, c, d):
         rec.cdata = None
         rec.join_evicted_class()
+    return a, b, c, d, e
+
+
+def test_rebuilt_storage_splits_its_evicted_class():
+    a, b, c, d, e = _chain_with_class_b_c_d()
     assert a.evicted_neighborhood_cost() == 2.0 + 4.0 + 8.0
     c.cdata = 1  # c is rebuilt: b and d are no longer connected
     c.leave_evicted_class()
@@ -95,12 +102,7 @@ def test_a_chain_end_or_a_large_class_only_loses_the_rebuilt_cost(monkeypatch):
     # re-forming the class on every rebuild was quadratic along a chain
     # (found by an adversarial search): an end of the chain cannot split
     # it, and a class above SPLIT_AT_MOST members is kept whole
-    a, b, c, d, e = (
-        record(100, cost, 0) for cost in (1.0, 2.0, 4.0, 8.0, 16.0))
-    chain(a, b, c, d, e)
-    for rec in (b, c, d):  # one class b-c-d
-        rec.cdata = None
-        rec.join_evicted_class()
+    a, b, c, d, e = _chain_with_class_b_c_d()
     b.cdata = 1  # an end of the chain is rebuilt: c-d stays one class
     b.leave_evicted_class()
     assert c.evicted_class.root() is d.evicted_class.root()
