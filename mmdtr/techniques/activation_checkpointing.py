@@ -27,6 +27,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
   per parameter as usual.
 """
 import functools
+import inspect
 from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -209,6 +210,15 @@ def _compiled_checkpoint(run: Callable, policy: Optional[Tuple[str, ...]],
                                      list(_save_policy(policy).overloads)))
 
 
+# newer torch takes early_stop per call; older only through the
+# process-wide set_checkpoint_early_stop
+if 'early_stop' in inspect.signature(checkpoint).parameters:
+    _EARLY_STOP_OFF, _NO_EARLY_STOP = {'early_stop': False}, nullcontext
+else:  # pragma: no cover - older torch
+    _EARLY_STOP_OFF = {}
+    _NO_EARLY_STOP = functools.partial(set_checkpoint_early_stop, False)
+
+
 def checkpointed_forward(self: nn.Module, *args, **kwargs):
     """The forward installed on checkpointed modules (bound per module).
 
@@ -230,15 +240,17 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
               if isinstance(t, torch.Tensor) and not t.is_inference()]
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
-    # cut off by it in the recompute, leaving that tensor unwritten
-    with set_checkpoint_early_stop(False):
+    # cut off by it in the recompute, leaving that tensor unwritten. Said
+    # per call where torch takes it: the switch is process-wide
+    with _NO_EARLY_STOP():
         out = checkpoint(
             run,
             *args,
             *kwargs.values(),
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=context_fn)
+            context_fn=context_fn,
+            **_EARLY_STOP_OFF)
     if any(t._version != version for t, version in inputs):
         # the recompute would run on the written input: autograd's in-place
         # error in backward, or, if it passes, other values
