@@ -135,13 +135,13 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
     for wrapper in _wrapper_cfgs(optim_wrapper):
-        if default and _default_constructor(wrapper):
+        built_by_default = default and _default_constructor(wrapper)
+        if built_by_default:
             _check_optimizer_key(wrapper)
         if _is_inplace(wrapper.get('type')):
             check_wrapper_config(wrapper, distributed)
             continue
-        if default and _default_constructor(wrapper) and (
-                'type' in wrapper or 'optimizer' in wrapper):
+        if built_by_default and ('type' in wrapper or 'optimizer' in wrapper):
             _check_wrapper_keys(wrapper, cfg.get('default_scope', None))
         if 'accumulative_counts' in wrapper:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
