@@ -1,7 +1,7 @@
 """Training with the ``dtr`` key is bit-identical to training without it.
 
 Every workload config trains 3 small iterations three times through
-``MMDTRRunner``: without DTR; for 1 iteration under DTR at a huge
+``MMDTRRunner``: without DTR; for 2 iterations under DTR at a huge
 threshold, to measure the baseline peak with the engine's own meter; and
 under DTR at 40% of that peak. Parameters and buffers must be equal bit for
 bit, with evictions and recomputations reported through the MessageHub and
@@ -130,18 +130,22 @@ def test_workload_bit_identical_under_dtr(name, tmp_path):
     on_cuda = model_device(plain.model).type == 'cuda'
     del plain
     leftover_mb = cuda_allocated_mb()
+    # two iterations: from the second on, the optimizer's state is there
     probe = train(
         workload_cfg(
             name,
             tmp_path / 'probe',
             dtr=dict(eviction_threshold=2**60, evictee_minimum_size=MIN_SIZE),
-            **{'train_cfg.max_iters': 1}))
+            **{'train_cfg.max_iters': 2}))
     probe_stats = dtr_history(probe)
+    # on CUDA the meter counts all the device holds: what a run holds
+    # between iterations (parameters, optimizer state) is not the step's
+    held_mb = cuda_allocated_mb()
     del probe
-    assert probe_stats['train/dtr_evictions'] == [0]
-    baseline_mb = probe_stats['train/dtr_peak_memory_mb'][0] - leftover_mb
-    leftover_mb = cuda_allocated_mb()
-    threshold = int((leftover_mb + 0.4 * baseline_mb) * 2**20)
+    assert probe_stats['train/dtr_evictions'] == [0, 0]
+    step_mb = probe_stats['train/dtr_peak_memory_mb'][-1] - held_mb
+    threshold = int(
+        (cuda_allocated_mb() + held_mb - leftover_mb + 0.4 * step_mb) * 2**20)
 
     runner = train(
         workload_cfg(
@@ -154,16 +158,21 @@ def test_workload_bit_identical_under_dtr(name, tmp_path):
     assert_same_state(plain_state, runner.model)
     stats = dtr_history(runner)
     assert all(len(values) == 3 for values in stats.values())
-    assert min(stats['train/dtr_evictions']) > 0
-    assert min(stats['train/dtr_recomputations']) > 0
-    assert stats['train/dtr_remat_seconds'][0] > 0
-    # the first iteration is the probe's: its peak went down under DTR
-    # (not to 40%: the gradients are counted and cannot be evicted). Not on
-    # CUDA, whose meter counts the parameters too: in these small runs they
-    # and their gradients make most of the peak (ResNet-50: 2 x 98 MiB of
-    # its 210 MiB), which did not go down on an H100
+    # on CUDA the first iteration holds no optimizer state yet, so it may
+    # stay under a threshold set for the others: it is checked on CPU only
+    # (an H100 run: 1, 0, 0 evictions for GPT when its threshold was set
+    # from the first iteration, whose AdamW state was not there yet)
+    checked = slice(1 if on_cuda else 0, None)
+    assert min(stats['train/dtr_evictions'][checked]) > 0
+    assert min(stats['train/dtr_recomputations'][checked]) > 0
+    assert stats['train/dtr_remat_seconds'][-1] > 0
+    # the peak went down under DTR (not to 40%: the gradients are counted
+    # and cannot be evicted). Not on CUDA, whose meter counts the
+    # parameters too: in these small runs they and their gradients make
+    # most of the peak (ResNet-50: 2 x 98 MiB of its 210 MiB), which did
+    # not go down on an H100
     if not on_cuda:
-        assert stats['train/dtr_peak_memory_mb'][0] < baseline_mb
+        assert stats['train/dtr_peak_memory_mb'][-1] < step_mb
     (log, ) = glob.glob(osp.join(runner.log_dir, '*.log'))
     with open(log) as f:
         text = f.read()
