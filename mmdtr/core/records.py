@@ -52,9 +52,9 @@ class StorageRef(weakref.ref):
     __slots__ = ('cdata', 'nbytes', 'device', 'start')
 
 
-#: Classes with more members than this are not split when a member is
-#: rebuilt, only their cost drops: re-forming one costs time linear in it,
-#: on every rebuild (R8).
+#: Classes that more storages than this have joined (those rebuilt since
+#: count too) are not split when a member is rebuilt, only their cost
+#: drops: re-forming one costs time linear in it, on every rebuild (R8).
 SPLIT_AT_MOST = 128
 
 
@@ -312,8 +312,9 @@ class StorageRecord:
             # at most one neighbour in the class: not a cut vertex, the
             # rest stays connected, only its cost goes. Rebuilding a chain
             # link by link from one end is then linear, not quadratic. A
-            # larger class keeps its members connected, as DTR's union-find
-            # does, with its cost exact (R8)
+            # larger class (counted by the storages that joined it, those
+            # rebuilt since too) keeps its members connected, as DTR's
+            # union-find does, with its cost exact (R8)
             root.cost -= self.cost
             return
         others = {}
