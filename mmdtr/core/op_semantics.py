@@ -24,6 +24,12 @@ _BATCH_NORM_TRAINING_ARG = {
     'cudnn_batch_norm': 'training',
     'miopen_batch_norm': 'training',
     '_batch_norm_with_update': '',  # always training
+    # the statistics kernels (SyncBatchNorm's on CUDA) update the running
+    # statistics they are given and return the batch's, which never read
+    # them; their schemas declare no write
+    'batch_norm_update_stats': '',
+    'batch_norm_gather_stats': '',
+    'batch_norm_gather_stats_with_counts': '',
 }
 _RUNNING_STATS = ('running_mean', 'running_var')
 

@@ -133,7 +133,8 @@ class AllocNode:
 
 class _UnrebuildableView(Exception):
     """A call reads or writes a recorded storage through a view the engine
-    cannot rebuild (a conjugate or negative bit): it gets no recipe (R4)."""
+    cannot rebuild (a conjugate or negative bit), or reads a sparse tensor:
+    it gets no recipe (R4)."""
 
 
 def _scratch_ref(a):
@@ -208,26 +209,37 @@ class Recipes:
 
     def _ref(self, t, target):
         if not managed(t):  # held as it is (R4)
-            if t.layout is _STRIDED and \
-                    t.untyped_storage()._cdata in self.records:
+            if t.layout is not _STRIDED:
+                # sparse: a write through its values() is not seen (no
+                # storage to link, R7), nor its version checked (R13)
+                raise _UnrebuildableView
+            if t.untyped_storage()._cdata in self.records:
                 # a conj/neg (or nested) view of a recorded storage:
                 # held, it would read the storage as it is at the replay,
                 # not the version the call read, and a write through it
                 # would not go to the storage being rebuilt (R5)
                 raise _UnrebuildableView
-            return HeldRef(detached_alias(t), None, None)
+            # of a storage from outside: held and version-checked as any
+            # input from outside (R13; a conj view shares its base's counter)
+            return self._held_external(t, t.untyped_storage()._cdata)
         cdata = t.untyped_storage()._cdata
         if cdata == target:
             return SelfRef(view_meta(t))
         rec = self.records.get(cdata)
-        if rec is not None:
-            rec.last_access = self.clock
-            if rec.born < self.backward_clock != rec.carried_check \
-                    and rec.lo is not None:
-                self._cut_carried(rec)
-            if rec.recomputable(rec.version):
-                return RecordRef(rec, rec.version, view_meta(t))
-            return HeldRef(detached_alias(t), rec, rec.version)
+        if rec is None:
+            return self._held_external(t, cdata)
+        rec.last_access = self.clock
+        if rec.born < self.backward_clock != rec.carried_check \
+                and rec.lo is not None:
+            self._cut_carried(rec)
+        if rec.recomputable(rec.version):
+            return RecordRef(rec, rec.version, view_meta(t))
+        return HeldRef(detached_alias(t), rec, rec.version)
+
+    @staticmethod
+    def _held_external(t, cdata):
+        """A hold on ``t``, whose storage (``cdata``) the engine did not
+        record, checked at replay for writes made unseen (R13)."""
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
         if t.grad_fn is None:  # a leaf: holding it makes no cycle

@@ -340,3 +340,46 @@ def test_empty_storages_are_not_eviction_candidates():
         torch.ones(1 << 16).exp()  # makes room: evicts the saved ones
         loss.backward()
     assert engine.stats.evictions > 0
+
+
+def test_batch_norm_statistics_kernel_updates_running_stats_once(
+        same_under_dtr):
+    # batch_norm_update_stats writes its running statistics, which its
+    # schema does not declare: a replay must not update them again (R6)
+    lin = nn.Linear(32, 32)
+
+    def step(stats):
+        mean, var = stats
+        lin.zero_grad()
+        h = lin(torch.randn(64, 32)).tanh()
+        # the batch's variance: saved by mul, held by nothing else
+        y = h * torch.batch_norm_update_stats(h.detach(), mean, var, 0.1)[1]
+        loss = torch.sigmoid(lin(y)).square().sum()
+        loss.backward()
+        return [loss, lin.weight.grad, mean, var]
+
+    def fresh_stats():
+        return torch.zeros(32), torch.ones(32)
+
+    assert same_under_dtr(step, fresh_stats).recomputations > 0
+
+
+@pytest.mark.parametrize('layout', ['coo', 'csr'])
+def test_sparse_input_written_through_its_values(layout, same_under_dtr):
+    # a write through values() reaches no storage the engine links (R7):
+    # an op reading a sparse tensor gets no recipe, its output is kept
+    lin = nn.Linear(32, 32)
+    dense = torch.rand(16, 32) * (torch.rand(16, 32) > 0.7)
+
+    def step():
+        lin.zero_grad()
+        sparse = dense.to_sparse() if layout == 'coo' else \
+            dense.to_sparse_csr()
+        h = lin(torch.randn(16, 32)).tanh()
+        y = torch.sigmoid(lin(h * sparse.to_dense()))
+        sparse.values().mul_(2)  # eager allows it: sparse is not saved
+        loss = y.square().sum()
+        loss.backward()
+        return [loss, lin.weight.grad]
+
+    assert same_under_dtr(step).recomputations > 0

@@ -137,6 +137,25 @@ def test_external_non_leaf_written_after_the_scope_is_refused():
         _run(forward(), lambda t: t.add_(1), True, w)
 
 
+def test_conjugate_view_of_an_input_written_after_the_scope_is_refused():
+    # the clone that resolves x.conj() reads a conjugate view, which the
+    # engine holds without recording: checked like any input (R13)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, dtype=torch.cfloat, requires_grad=True)
+    x = torch.randn(32, 32, dtype=torch.cfloat)
+
+    def forward():
+        h = (w * 1.5).exp() * (x.conj() + 1)
+        return h.sin().abs().sum(), x
+
+    def run(use_dtr):
+        return _run(forward, lambda t: t.mul_(2), use_dtr, w)
+
+    run(False)  # eager runs: nothing saved x
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        run(True)
+
+
 def test_inference_tensor_as_an_input():
     # inference tensors have no version counter: reading one crashed the
     # recipe ("Inference tensors do not track version counter")
