@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
                                           _get_current_dispatch_mode_stack)
 
 from mmdtr.errors import MmdtrError
+from . import collector
 from .accounting import oom_eviction_needs_cuda
 from .engine import EngineState
 from .policies import build_policy
@@ -158,6 +159,7 @@ class DTR:
         except BaseException:
             mode.__exit__(None, None, None)
             raise
+        collector.space_collections()  # (R1)
         self._state, self._mode, self._hooks = state, mode, hooks
         _ACTIVE.engine = self
         return self
@@ -183,9 +185,12 @@ class DTR:
         try:
             hooks.__exit__(exc_type, exc, tb)
         finally:
-            mode.__exit__(exc_type, exc, tb)
-            self._stats = self._snapshot(state)
-            state.close()
+            try:
+                mode.__exit__(exc_type, exc, tb)
+                self._stats = self._snapshot(state)
+                state.close()
+            finally:
+                collector.restore_collections()
         return False
 
     @property
