@@ -140,7 +140,7 @@ class DTR:
                 'without CUDA'
             raise oom_eviction_needs_cuda(eviction_threshold, where)
         self._state = self._mode = self._hooks = None
-        self._stats = None
+        self._stats = self._collector = None
 
     def __enter__(self):
         if self._state is not None:
@@ -159,7 +159,7 @@ class DTR:
         except BaseException:
             mode.__exit__(None, None, None)
             raise
-        collector.space_collections()  # (R1)
+        self._collector = collector.space_collections(self)  # (R1)
         self._state, self._mode, self._hooks = state, mode, hooks
         _ACTIVE.engine = self
         return self
@@ -190,7 +190,7 @@ class DTR:
                 self._stats = self._snapshot(state)
                 state.close()
             finally:
-                collector.restore_collections()
+                self._collector()
         return False
 
     @property

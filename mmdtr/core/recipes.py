@@ -245,9 +245,12 @@ class Recipes:
         if t.grad_fn is None:  # a leaf: holding it makes no cycle
             return HeldRef(t, None, t._version, cdata)
         # below autograd, detach() gets a fresh version counter: the
-        # tensor's own is read through a weak reference (R13)
-        return HeldRef(
-            detached_alias(t), None, t._version, None, weakref.ref(t))
+        # tensor's own is read through a weak reference (R13), to its base
+        # if it is a view (a temporary, x.conj() of a parameter, would be
+        # gone by backward; views share their base's counter)
+        base = t._base
+        return HeldRef(detached_alias(t), None, t._version, None,
+                       weakref.ref(t if base is None else base))
 
     def _cut_carried(self, rec):
         """``rec``, made before the latest backward, is read again: a state

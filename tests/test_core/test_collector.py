@@ -1,8 +1,8 @@
-"""Python's collector runs less often while an engine is active (R1).
+"""Python's full collections are rarer while an engine is active (R1).
 
-The first generation's threshold is raised while engines are active and put
-back when the last one closes, unless someone set another meanwhile; cycles
-made in scope are still collected, a bounded number of allocations later.
+The full collections' threshold is raised while engines are active and put
+back when the last one closes (or is dropped without closing), unless
+someone set another meanwhile; young cycles are collected as before.
 """
 import gc
 import threading
@@ -16,11 +16,12 @@ from mmdtr.dtr import DTR
 
 
 @pytest.fixture(autouse=True)
-def default_threshold():
+def default_thresholds():
     before = gc.get_threshold()
-    gc.set_threshold(700, *before[1:])
+    gc.set_threshold(700, 10, 10)
     yield
     gc.set_threshold(*before)
+    assert collector.active_engines() == 0
 
 
 def _step():
@@ -30,9 +31,9 @@ def _step():
 
 def test_raised_in_scope_and_put_back():
     with DTR(eviction_threshold='1GB'):
-        assert gc.get_threshold()[0] == collector.YOUNG_THRESHOLD
+        assert gc.get_threshold() == (700, 10, collector.FULL_THRESHOLD)
         _step()
-    assert gc.get_threshold()[0] == 700
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 def test_put_back_after_an_exception():
@@ -40,22 +41,23 @@ def test_put_back_after_an_exception():
         with DTR(eviction_threshold='1GB'):
             _step()
             1 / 0
-    assert gc.get_threshold()[0] == 700
+    assert gc.get_threshold() == (700, 10, 10)
 
 
-@pytest.mark.parametrize('theirs', [0, 5, 10**6])
-def test_a_threshold_set_in_scope_is_kept(theirs):
+@pytest.mark.parametrize('theirs', [(0, 10, 10), (700, 10, 5),
+                                    (700, 10, 10**6)])
+def test_thresholds_set_in_scope_are_kept(theirs):
     with DTR(eviction_threshold='1GB'):
-        gc.set_threshold(theirs)
-    assert gc.get_threshold()[0] == theirs
+        gc.set_threshold(*theirs)
+    assert gc.get_threshold() == theirs
 
 
-@pytest.mark.parametrize('before', [0, 10**6])
+@pytest.mark.parametrize('before', [(0, 10, 10), (700, 10, 10**6)])
 def test_automatic_collection_off_or_rarer_is_left_alone(before):
-    gc.set_threshold(before)
+    gc.set_threshold(*before)
     with DTR(eviction_threshold='1GB'):
-        assert gc.get_threshold()[0] == before
-    assert gc.get_threshold()[0] == before
+        assert gc.get_threshold() == before
+    assert gc.get_threshold() == before
 
 
 def test_put_back_when_the_last_engine_in_any_thread_closes():
@@ -71,24 +73,36 @@ def test_put_back_when_the_last_engine_in_any_thread_closes():
     assert entered.wait(10)
     with DTR(eviction_threshold='1GB'):
         _step()
-    assert gc.get_threshold()[0] == collector.YOUNG_THRESHOLD  # other's
+    assert gc.get_threshold()[2] == collector.FULL_THRESHOLD  # other's
     leave.set()
     thread.join(10)
-    assert gc.get_threshold()[0] == 700
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_put_back_when_an_engine_is_dropped_without_closing():
+    # a thread that ends under dtr.enable() never closes its engine
+    def forgotten():
+        DTR(eviction_threshold='1GB').__enter__()
+        _step()
+
+    thread = threading.Thread(target=forgotten)
+    thread.start()
+    thread.join(10)
+    gc.collect()
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 class _Node:
     pass
 
 
-def test_cycles_made_in_scope_are_collected_in_scope():
-    # a long scope (dtr.enable()) must not keep its cyclic garbage for good
+def test_young_cycles_are_collected_as_without_an_engine():
     collected = []
     with DTR(eviction_threshold='1GB'):
         node = _Node()
         node.self = node  # a cycle
         weakref.finalize(node, collected.append, True)
         del node
-        keep = [[] for _ in range(collector.YOUNG_THRESHOLD + 1000)]
+        keep = [[] for _ in range(gc.get_threshold()[0] + 100)]
         assert collected == [True]
         del keep

@@ -137,12 +137,15 @@ def test_external_non_leaf_written_after_the_scope_is_refused():
         _run(forward(), lambda t: t.add_(1), True, w)
 
 
-def test_conjugate_view_of_an_input_written_after_the_scope_is_refused():
+@pytest.mark.parametrize('requires_grad', [False, True])
+def test_conjugate_view_of_an_input_written_after_the_scope_is_refused(
+        requires_grad):
     # the clone that resolves x.conj() reads a conjugate view, which the
-    # engine holds without recording: checked like any input (R13)
+    # engine holds without recording: checked like any input (R13). With
+    # grad, the view has a grad_fn and is gone by backward: its base is
     torch.manual_seed(0)
     w = torch.randn(32, 32, dtype=torch.cfloat, requires_grad=True)
-    x = torch.randn(32, 32, dtype=torch.cfloat)
+    x = torch.randn(32, 32, dtype=torch.cfloat, requires_grad=requires_grad)
 
     def forward():
         h = (w * 1.5).exp() * (x.conj() + 1)
