@@ -249,8 +249,9 @@ class Recipes:
         # if it is a view (a temporary, x.conj() of a parameter, would be
         # gone by backward; views share their base's counter)
         base = t._base
-        return HeldRef(detached_alias(t), None, t._version, None,
-                       weakref.ref(t if base is None else base))
+        return HeldRef(
+            detached_alias(t), None, t._version, None,
+            weakref.ref(t if base is None else base))
 
     def _cut_carried(self, rec):
         """``rec``, made before the latest backward, is read again: a state
