@@ -325,7 +325,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
 
     def _close(self):
         self.closed = True
-        for rec in self.records.values():
+        # a snapshot: close_versions allocates, so a garbage collection may
+        # free a storage here, and _on_free drops its record (R12)
+        for rec in list(self.records.values()):
             rec.close_versions()  # later writes are unseen (R13)
         self.records = {}
         self.transients = {}

@@ -80,6 +80,11 @@ class Evictor:
             best = self._best(cands)
         if best is None:
             return False
+        if best.cand_index < 0:
+            # freed during the search: a policy's score allocates, so a
+            # garbage collection may free a candidate (_on_free drops it);
+            # memory went down, and evict_until reads it again
+            return True
         self._evict(best)
         return True
 
@@ -90,8 +95,9 @@ class Evictor:
         for rec in pool:
             value = score(rec, clock)
             # exclusive: only the engine's aliases and the storage's own
-            # Python object (alive while it is) reference it (R3)
-            if value < best_score and \
+            # Python object (alive while it is) reference it (R3); cdata is
+            # None once freed, by a collection during the search too
+            if value < best_score and rec.cdata is not None and \
                     _use_count(rec.cdata) == len(rec.views) + 1:
                 best, best_score = rec, value
         return best

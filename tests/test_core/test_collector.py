@@ -1,8 +1,10 @@
-"""Python's full collections are rarer while an engine is active (R1).
+"""Python's garbage collector and the engine (R1, R12).
 
 The full collections' threshold is raised while engines are active and put
 back when the last one closes (or is dropped without closing), unless
-someone set another meanwhile; young cycles are collected as before.
+someone set another meanwhile; young cycles are collected as before. A
+collection may run wherever the engine allocates and free a storage it
+counts: closing and the eviction search must not trip over that.
 """
 import gc
 import threading
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from mmdtr.core import collector
+from mmdtr.core.policies import LRUPolicy
 from mmdtr.dtr import DTR
 
 
@@ -106,3 +109,60 @@ def test_young_cycles_are_collected_as_without_an_engine():
         keep = [[] for _ in range(gc.get_threshold()[0] + 100)]
         assert collected == [True]
         del keep
+
+
+def test_closing_while_a_collection_frees_a_storage():
+    # closing walks the records and allocates: a collection there freed a
+    # storage held by cyclic garbage, and its record left the table being
+    # walked ('dictionary changed size during iteration'); found by an
+    # adversarial search
+    x = torch.randn(8, 8)
+    engine = DTR(eviction_threshold='1GB', evictee_minimum_size=1)
+    engine.__enter__()
+    keep = [x * i for i in range(400)]  # records to close
+    node = _Node()
+    node.self, node.tensor = node, x + 1  # a storage the engine counts
+    del node
+    # the young generation one allocation short of its threshold
+    pad = [
+        []
+        for _ in range(max(0,
+                           gc.get_threshold()[0] - gc.get_count()[0] - 2))
+    ]
+    engine.__exit__(None, None, None)
+    assert not engine.active
+    assert engine.stats.ops >= 400
+    del keep, pad
+
+
+class _CollectingOnce(LRUPolicy):
+    """Scores as LRU; its first score runs a full collection."""
+
+    def __init__(self):
+        self.collected = False
+
+    def score(self, record, clock):
+        if not self.collected:
+            self.collected = True
+            gc.collect()
+        return super().score(record, clock)
+
+
+def test_a_candidate_freed_during_the_eviction_search():
+    # the first candidate scored is saved by a graph only cyclic garbage
+    # holds: the collection in its score frees it (before the fix:
+    # TypeError, the search read the freed record's storage)
+    policy = _CollectingOnce()
+    w = torch.randn(64, 64, requires_grad=True)
+    with DTR(
+            eviction_threshold=20 * 1024, evictee_minimum_size=1,
+            policy=policy) as engine:
+        node = _Node()
+        node.self, node.out = node, w.exp().sum()  # exp saves 16 KiB
+        del node
+        y = (torch.randn(64, 64) + 1).exp()  # over the threshold: evicts
+        loss = (y * w).sum()
+        loss.backward()
+    assert policy.collected
+    assert torch.equal(w.grad, y)
+    assert engine.stats.eviction_failures > 0  # y is visible: kept
