@@ -72,12 +72,15 @@ class Evictor:
         if n == 0:
             return False
         best = None
+        # the sample is drawn, and the pool copied, before reading: both
+        # allocate, so a garbage collection may drop candidates meanwhile
+        # (_on_free, R12)
         if self.sqrt_sampling and n > 4:
             k = max(2, int(n**0.5))
-            best = self._best(
-                [cands[i] for i in self._sampler.sample(range(n), k)])
+            drawn = self._sampler.sample(range(n), k)
+            best = self._best([cands[i] for i in drawn if i < len(cands)])
         if best is None:  # no sampling, or nothing exclusive sampled
-            best = self._best(cands)
+            best = self._best(list(cands))
         if best is None:
             return False
         if best.cand_index < 0:

@@ -36,29 +36,33 @@ class HeldRef:
     allocated in scope) or the tensor's ``_version``: an external leaf is
     held as itself; an external non-leaf is held as a detached alias (no
     reference cycle through its ``grad_fn``, R10), whose counter is its own,
-    so the tensor's is read through ``wref`` while it lives (R13). ``None``
-    skips the check (tensors the engine does not manage). ``cdata``, for
-    external leaves, is the storage they had: ``leaf.data = other`` swaps it
-    without a version bump.
+    so the tensor's is read through ``wrefs`` (weak references to it, and
+    to its base if it is a view) while one of them lives and still views
+    the held storage (R13). ``None`` skips the check (inference tensors).
+    ``cdata``, for external leaves, is the storage they had:
+    ``leaf.data = other`` swaps it without a version bump.
     """
-    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wref')
+    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wrefs')
 
-    def __init__(self, tensor, record, version, cdata=None, wref=None):
+    def __init__(self, tensor, record, version, cdata=None, wrefs=None):
         self.tensor, self.record, self.version = tensor, record, version
-        self.cdata, self.wref = cdata, wref
+        self.cdata, self.wrefs = cdata, wrefs
 
     def current_version(self):
         if self.record is not None:
             return self.record.version
         if self.version is None:
             return None
-        if self.wref is None:
+        if self.wrefs is None:
             return self.tensor._version
-        t = self.wref()  # gone, or pointed elsewhere (set_): nothing to read
-        if t is None or t.untyped_storage()._cdata != \
-                self.tensor.untyped_storage()._cdata:
-            return self.version
-        return t._version
+        held = self.tensor.untyped_storage()._cdata
+        # the view first: a temporary one is gone by backward, its base
+        # lives; one moved to another storage (.data =, set_) is not read
+        for ref in self.wrefs:
+            t = ref()
+            if t is not None and t.untyped_storage()._cdata == held:
+                return t._version
+        return self.version
 
 
 class SelfRef:
@@ -245,13 +249,13 @@ class Recipes:
         if t.grad_fn is None:  # a leaf: holding it makes no cycle
             return HeldRef(t, None, t._version, cdata)
         # below autograd, detach() gets a fresh version counter: the
-        # tensor's own is read through a weak reference (R13), to its base
-        # if it is a view (a temporary, x.conj() of a parameter, would be
-        # gone by backward; views share their base's counter)
+        # tensor's own is read through weak references, to it and to its
+        # base if it is a view (views share their base's counter; a
+        # temporary view, x.conj() of a parameter, is gone by backward)
         base = t._base
-        return HeldRef(
-            detached_alias(t), None, t._version, None,
-            weakref.ref(t if base is None else base))
+        wrefs = (weakref.ref(t), ) if base is None else \
+            (weakref.ref(t), weakref.ref(base))
+        return HeldRef(detached_alias(t), None, t._version, None, wrefs)
 
     def _cut_carried(self, rec):
         """``rec``, made before the latest backward, is read again: a state

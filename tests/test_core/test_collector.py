@@ -7,6 +7,7 @@ collection may run wherever the engine allocates and free a storage it
 counts: closing and the eviction search must not trip over that.
 """
 import gc
+import random
 import threading
 import weakref
 
@@ -166,3 +167,39 @@ def test_a_candidate_freed_during_the_eviction_search():
     assert policy.collected
     assert torch.equal(w.grad, y)
     assert engine.stats.eviction_failures > 0  # y is visible: kept
+
+
+class _SamplerCollectingOnce(random.Random):
+    """A sampler whose first sample() runs a collection first, as one its
+    own allocations may set off."""
+
+    collected = False
+
+    def sample(self, population, k, **kwargs):
+        if not self.collected:
+            self.collected = True
+            gc.collect()
+        return super().sample(population, k, **kwargs)
+
+
+@pytest.mark.parametrize('seed', range(10))
+def test_a_candidate_freed_while_the_sample_is_drawn(seed):
+    # drawn from range(n) before a collection dropped a candidate, an index
+    # overran the list (IndexError for seeds 2, 7 and 8 before the fix)
+    w = torch.randn(64, 64, requires_grad=True)
+    with DTR(
+            eviction_threshold=1 << 30,
+            evictee_minimum_size=1,
+            enable_sqrt_sampling=True) as engine:
+        state = engine._state
+        state._sampler = sampler = _SamplerCollectingOnce(seed)
+        saved = [(w * (i + 1)).exp() for i in range(30)]  # candidates
+        loss = sum(h.sum() for h in saved)
+        del saved
+        node = _Node()  # a graph only cyclic garbage holds
+        node.self, node.out = node, (w * 0.5).exp().sum()
+        del node
+        state.threshold = state.limit = 1  # evict from the next op on
+        loss = loss + (w + 1).exp().sum()
+        loss.backward()
+    assert sampler.collected and engine.stats.evictions > 0

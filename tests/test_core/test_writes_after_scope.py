@@ -159,6 +159,30 @@ def test_conjugate_view_of_an_input_written_after_the_scope_is_refused(
         run(True)
 
 
+@pytest.mark.parametrize('swap', ['data', 'set_'])
+def test_view_written_after_its_base_moved_storage_is_refused(swap):
+    # v still views x's first storage, which it writes; x moved to another
+    # (.data =, set_): the check reads v's counter while v views the held
+    # storage, not only its base's (found by a review)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(64, 32, requires_grad=True)
+    v = x[:32]  # a view with a grad_fn
+
+    def forward():
+        return _chain_after(v + w, w), None
+
+    def move_then_write(_):
+        if swap == 'data':
+            x.data = torch.zeros(64, 32)
+        else:
+            x.set_(torch.zeros(64, 32))
+        v.add_(1)
+
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        _run(forward, move_then_write, True, w)
+
+
 def test_inference_tensor_as_an_input():
     # inference tensors have no version counter: reading one crashed the
     # recipe ("Inference tensors do not track version counter")
