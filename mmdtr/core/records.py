@@ -308,6 +308,11 @@ class StorageRecord:
                 inside += 1
                 if inside > 1:
                     break
+        if root.parent is not None:
+            # merged into another class during the walk: a collection freed
+            # a storage whose users join the classes (fake deletion, R12)
+            root.root().cost -= self.cost
+            return
         if inside <= 1 or len(root.members) > SPLIT_AT_MOST:
             # at most one neighbour in the class: not a cut vertex, the
             # rest stays connected, only its cost goes. Rebuilding a chain

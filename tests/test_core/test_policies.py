@@ -118,6 +118,31 @@ def test_a_chain_end_or_a_large_class_only_loses_the_rebuilt_cost(monkeypatch):
     assert a.evicted_neighborhood_cost() == 2.0 + 8.0
 
 
+def test_a_class_merged_while_a_rebuilt_member_leaves_it(monkeypatch):
+    # a garbage collection during the neighbour walk may free a storage
+    # whose users then join the classes (fake deletion, R12): the class
+    # being left was merged into a larger one, which loses the cost
+    a, b, c, d, e = _chain_with_class_b_c_d()
+    others = [record(100, 32.0, 0) for _ in range(4)]
+    chain(*others)
+    for rec in others:
+        rec.cdata = None
+        rec.join_evicted_class()
+    larger = others[0].evicted_class.root()
+    walk = StorageRecord.evicted_neighbours
+
+    def merging_walk(rec):
+        if rec is c:
+            larger.merge(b.evicted_class.root())
+        return walk(rec)
+
+    monkeypatch.setattr(StorageRecord, 'evicted_neighbours', merging_walk)
+    c.cdata = 1
+    c.leave_evicted_class()
+    assert b.evicted_class.root() is larger
+    assert larger.cost == 4 * 32.0 + 2.0 + 8.0
+
+
 def test_lru_and_largest_first():
     old, new = record(10, 1.0, 1), record(10, 1.0, 5)
     assert LRUPolicy().score(old, 9) < LRUPolicy().score(new, 9)
