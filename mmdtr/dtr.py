@@ -74,8 +74,11 @@ def disable() -> DTRStats:
     if engine is None:
         raise MmdtrError('DTR is not enabled on this thread.',
                          'Call mmdtr.dtr.enable() first.')
-    _local.engine = None
-    engine.__exit__(None, None, None)
+    try:
+        engine.__exit__(None, None, None)
+    finally:
+        if not engine.active:  # closed, or closed by hand before
+            _local.engine = None
     return engine.stats
 
 

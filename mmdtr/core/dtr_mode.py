@@ -140,12 +140,13 @@ class DTR:
                 'without CUDA'
             raise oom_eviction_needs_cuda(eviction_threshold, where)
         self._state = self._mode = self._hooks = None
-        self._stats = self._collector = None
+        self._stats = self._collector = self._thread = None
 
     def __enter__(self):
         if self._state is not None:
             raise MmdtrError('this DTR engine is already active.',
                              'Create one DTR object per scope.')
+        _refuse_in_backward('start')
         _refuse_nesting()
         state = EngineState(self.eviction_threshold, self.evictee_minimum_size,
                             self.enable_sqrt_sampling, self.policy,
@@ -161,6 +162,7 @@ class DTR:
             raise
         self._collector = collector.space_collections(self)  # (R1)
         self._state, self._mode, self._hooks = state, mode, hooks
+        self._thread = threading.get_ident()
         _ACTIVE.engine = self
         return self
 
@@ -171,6 +173,9 @@ class DTR:
             MmdtrError: If the engine is not active (``__exit__`` without
                 ``__enter__``, or twice): Python calls it only after a
                 successful ``__enter__``, so this is a bug in the caller.
+                Also, with nothing changed, if it is closed from another
+                thread, inside backward, or under a dispatch mode entered
+                after it (R12).
         """
         if self._state is None:
             raise MmdtrError(
@@ -178,6 +183,19 @@ class DTR:
                 'a matching __enter__ (or twice).',
                 'Use it as `with DTR(...) as engine:`; check `engine.active` '
                 'before closing it by hand.')
+        if self._thread != threading.get_ident():
+            raise MmdtrError(
+                'this DTR engine was started on another thread; its dispatch '
+                'mode and saved-tensor hooks are that thread\'s.',
+                'Close it on the thread that started it.')
+        _refuse_in_backward('close')
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            raise MmdtrError(
+                'a dispatch mode entered after this DTR engine is still '
+                f'active ({type(stack[-1]).__name__ if stack else "none"}); '
+                'modes leave in the reverse order they entered.',
+                'Leave that mode first.')
         if getattr(_ACTIVE, 'engine', None) is self:
             _ACTIVE.engine = None
         state, mode, hooks = self._state, self._mode, self._hooks
@@ -256,6 +274,23 @@ def _check_device(device) -> Optional[torch.device]:
         raise MmdtrError(f'device={device!r}: CUDA is not available here.',
                          "Use device='cpu' (or None) on this machine.")
     return parsed
+
+
+_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
+
+
+def _refuse_in_backward(what: str):
+    """Raise inside backward (a tensor or module hook): autograd puts the
+    thread's dispatch modes and saved-tensor hooks back as they were after
+    each node, so an engine started or closed there would be undone (R12).
+    """
+    if _graph_task_id() != -1:
+        raise MmdtrError(
+            f'a DTR engine cannot {what} inside backward (a tensor or module '
+            'hook): autograd restores the thread\'s dispatch modes and '
+            'saved-tensor hooks after each node, which would undo it.',
+            'Start DTR before forward and stop it after backward returns '
+            '(`with DTR(...)`, or mmdtr.dtr.enable() and disable()).')
 
 
 def _refuse_nesting():

@@ -1,0 +1,90 @@
+"""Where an engine may start and stop (R12): on its own thread, outside
+backward, with its dispatch mode on top. Elsewhere it is refused with a
+clear :class:`MmdtrError` and nothing changed; each case left the engine
+half-closed or undone before (found by an adversarial search)."""
+import gc
+import threading
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmdtr import dtr
+from mmdtr.core import collector
+from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_active(monkeypatch):
+    monkeypatch.setattr(dtr, 'eviction_threshold', '1GB')  # for enable()
+    yield
+    assert not dtr.is_enabled() and collector.active_engines() == 0
+
+
+def _step():
+    w = torch.randn(8, 8, requires_grad=True)
+    (w.exp() * 2).sum().backward()
+    return w.grad
+
+
+def test_closing_from_another_thread_is_refused():
+    engine = DTR(eviction_threshold='1GB')
+    engine.__enter__()
+    errors = []
+
+    def close_here():
+        try:
+            engine.__exit__(None, None, None)
+        except MmdtrError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=close_here)
+    thread.start()
+    thread.join(10)
+    assert errors and 'started on another thread' in errors[0]
+    assert engine.active  # nothing changed: its own thread closes it
+    _step()
+    engine.__exit__(None, None, None)
+    assert engine.stats.ops > 0
+
+
+@pytest.mark.parametrize('call', ['disable', 'enable'])
+def test_starting_or_stopping_inside_backward_is_refused(call):
+    w = torch.randn(8, 8, requires_grad=True)
+    raised = []
+
+    def hook(grad):
+        try:
+            dtr.disable() if call == 'disable' else dtr.enable()
+        except MmdtrError as e:
+            raised.append(str(e))
+        return grad
+
+    if call == 'disable':
+        dtr.enable()
+    try:
+        h = w.exp()
+        h.register_hook(hook)
+        h.sum().backward()
+        assert raised and 'inside backward' in raised[0]
+        assert dtr.is_enabled() == (call == 'disable')
+    finally:
+        if dtr.is_enabled():
+            dtr.disable()
+    assert gc.get_threshold()[2] != collector.FULL_THRESHOLD
+    with DTR(eviction_threshold='1GB'):  # the thread is clean
+        _step()
+
+
+def test_closing_under_a_mode_entered_after_it_is_refused():
+    engine = DTR(eviction_threshold='1GB')
+    engine.__enter__()
+    later = TorchDispatchMode()
+    later.__enter__()
+    with pytest.raises(MmdtrError, match='TorchDispatchMode'):
+        engine.__exit__(None, None, None)
+    assert engine.active
+    later.__exit__(None, None, None)
+    engine.__exit__(None, None, None)
+    assert not engine.active
