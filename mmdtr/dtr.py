@@ -48,6 +48,9 @@ _local = threading.local()  # engines are per thread
 def enable() -> DTR:
     """Turn DTR on for this thread with the module-level settings.
 
+    The settings are read here: changing one while DTR is enabled takes
+    effect at the next ``enable()`` (MegEngine applies them at once).
+
     Returns:
         DTR: The active engine (its ``stats`` are live).
 
