@@ -217,7 +217,8 @@ class Recipes:
                 # sparse: a write through its values() is not seen (no
                 # storage to link, R7), nor its version checked (R13)
                 raise _UnrebuildableView
-            if t.untyped_storage()._cdata in self.records:
+            cdata = t.untyped_storage()._cdata
+            if cdata in self.records:
                 # a conj/neg (or nested) view of a recorded storage:
                 # held, it would read the storage as it is at the replay,
                 # not the version the call read, and a write through it
@@ -225,7 +226,7 @@ class Recipes:
                 raise _UnrebuildableView
             # of a storage from outside: held and version-checked as any
             # input from outside (R13; a conj view shares its base's counter)
-            return self._held_external(t, t.untyped_storage()._cdata)
+            return self._held_external(t, cdata)
         cdata = t.untyped_storage()._cdata
         if cdata == target:
             return SelfRef(view_meta(t))
