@@ -144,6 +144,20 @@ class Accounting:
                                                  storage.nbytes(),
                                                  self._on_transient_free)
 
+    def _meter_rng_state(self, rng):
+        """Count the generator state a random op's recipe holds for its
+        replay (R6) while the recipe lives (R11): a CPU generator's is 5 KB,
+        copied outside the dispatcher. On CUDA it is host memory, which
+        ``memory_allocated`` does not count either."""
+        if self.cuda:
+            return
+        storage = rng[1].untyped_storage()
+        cdata = storage._cdata
+        if cdata not in self.transients:
+            self.transients[cdata] = self._count(storage, cdata,
+                                                 storage.nbytes(),
+                                                 self._on_transient_free)
+
     def _on_transient_free(self, wref):
         with self.lock:  # any thread may free it (R12)
             if self.transients.get(wref.cdata) is wref:

@@ -149,7 +149,8 @@ class Recipes:
     """Builds :class:`OpNode` recipes; mixed into
     ``EngineState``.
 
-    Uses the state's ``records``, ``external_users`` and ``clock``.
+    Uses the state's ``records``, ``external_users``, ``clock`` and
+    accounting (``_meter_rng_state``).
     """
 
     def _mutation_target(self, written, full_overwrite):
@@ -175,6 +176,8 @@ class Recipes:
         if self.cut_carried:  # an earlier argument's record lost its recipe
             new_args, new_kwargs = self._refs(func, args, kwargs, scratch,
                                               target)
+        if rng is not None:
+            self._meter_rng_state(rng)
         return OpNode(func, new_args, new_kwargs, cost, rng)
 
     def _refs(self, func, args, kwargs, scratch, target):

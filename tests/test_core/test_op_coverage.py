@@ -141,6 +141,42 @@ def test_forward_ad_zero_tensors_are_held(same_under_dtr, model):
     assert same_under_dtr(step).recomputations > 0
 
 
+def test_forward_ad_through_layer_norm_equals_an_empty_mode():
+    # under any Python dispatch mode, forward AD's zero tangents go through
+    # prims.mul/prims.add, which round otherwise than eager (design.md,
+    # Limits): the engine, evicting, equals an empty mode bit for bit
+    import torch.autograd.forward_ad as fwAD
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Empty(TorchDispatchMode):
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 1))
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        x, t = torch.randn(8, 16), torch.randn(8, 16)
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(net(fwAD.make_dual(x, t)))
+            loss = (primal.sin() * tangent).sum()
+        loss.backward()
+        return [loss] + [p.grad for p in net.parameters()]
+
+    torch.manual_seed(1)
+    with Empty():
+        expected = step()
+    torch.manual_seed(1)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        got = step()
+    assert engine.stats.recomputations > 0
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
 def test_batch_norm_without_running_statistics(same_under_dtr):
     x = torch.randn(4, 3, 5, 5, requires_grad=True)
 
