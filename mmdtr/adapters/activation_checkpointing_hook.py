@@ -12,7 +12,7 @@ from mmdtr.registry import HOOKS
 from mmdtr.techniques.activation_checkpointing import (
     POLICIES, apply_activation_checkpointing, normalize_policy)
 from mmdtr.techniques.module_selection import as_name_list, resolve_modules
-from .config_translation import memory_key
+from .config_translation import memory_key, refuse_runner_key
 
 KEY = 'activation_checkpointing'
 _ACCEPTED = ("a module name or glob pattern (str), a list of them, or "
@@ -109,7 +109,8 @@ class ActivationCheckpointingHook(Hook):
     def before_run(self, runner) -> None:
         """Check the names before any hook changes the model (in
         ``before_train``): a bad name here then leaves the other mmdtr
-        hooks unapplied too."""
+        hooks unapplied too. Refused next to MMEngine's own key."""
+        refuse_runner_key(runner, KEY, self)
         model = runner.model
         resolve_modules(
             model.module if is_model_wrapper(model) else model, self.modules,

@@ -140,6 +140,34 @@ def translate_memory_keys(cfg: Config) -> Config:
     return out
 
 
+def refuse_runner_key(runner, key: str, hook: Hook) -> None:
+    """Refuse ``hook`` on a runner whose config still holds ``key``.
+
+    MMEngine's own Runner applies its ``activation_checkpointing`` and
+    ``efficient_conv_bn_eval`` keys itself, after ``before_run``; with
+    mmdtr's hook for the same key, the technique would be applied twice (a
+    reentrant checkpoint around mmdtr's left the modules without
+    gradients). :class:`~mmdtr.adapters.runner.MMDTRRunner` translates the
+    key into the hook, so its config never holds both.
+
+    Args:
+        runner (Runner): The runner, in ``before_run``.
+        key (str): The config key the hook implements.
+        hook (Hook): The hook.
+
+    Raises:
+        MmdtrError: If ``runner.cfg`` sets ``key``.
+    """
+    value = runner.cfg.get(key, None)
+    if value is not None:
+        raise MmdtrError(
+            f'{key} is configured twice: {key}={value!r}, which '
+            f"MMEngine's Runner applies itself, and {type(hook).__name__}"
+            f'(modules={hook.modules!r}) in custom_hooks.',
+            hint=f"keep one of them; runner_type='mmdtr.MMDTRRunner' (or "
+            f'tools/train.py) turns the {key} key into this hook.')
+
+
 def _custom_hooks(value) -> list:
     """``custom_hooks`` as a list, refused unless it is a list of hook
     configs (dicts with a type, or hooks) of types that exist and valid

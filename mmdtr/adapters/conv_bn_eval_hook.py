@@ -18,7 +18,7 @@ from mmdtr.registry import HOOKS
 from mmdtr.techniques.efficient_conv_bn_eval import (
     apply_efficient_conv_bn_eval, fusable_bn, fusable_conv)
 from mmdtr.techniques.module_selection import as_name_list, resolve_modules
-from .config_translation import memory_key
+from .config_translation import memory_key, refuse_runner_key
 
 try:
     from mmcv.cnn import ConvModule
@@ -127,7 +127,8 @@ class EfficientConvBnEvalHook(Hook):
     def before_run(self, runner) -> None:
         """Check the names before any hook changes the model (in
         ``before_train``): a bad name of another mmdtr hook then leaves
-        this one unapplied too."""
+        this one unapplied too. Refused next to MMEngine's own key."""
+        refuse_runner_key(runner, KEY, self)
         resolve_modules(_unwrapped(runner.model), self.modules, KEY)
 
     def before_train(self, runner) -> None:

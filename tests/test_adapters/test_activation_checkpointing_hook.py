@@ -128,3 +128,23 @@ def test_runner_unknown_module_fails_before_wrapping(make_cfg, tmp_path):
     assert "'backbone.layr2'" in str(info.value)
     assert "closest matches: ['backbone.layer2'" in str(info.value)
     assert not is_checkpointed(runner.model.backbone.layer1)
+
+
+def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
+        make_cfg, tmp_path):
+    # MMEngine's Runner applies its own key after before_run: both would
+    # wrap the modules (its reentrant checkpoint around mmdtr's left the
+    # backbone without gradients; found by an adversarial search)
+    cfg = make_cfg(
+        tmp_path,
+        activation_checkpointing=['backbone.layer1'],
+        custom_hooks=[
+            dict(
+                type='mmdtr.ActivationCheckpointingHook',
+                modules=['backbone.layer1'])
+        ])
+    runner = Runner.from_cfg(cfg)
+    with pytest.raises(MmdtrError, match='configured twice') as info:
+        runner.train()
+    assert "activation_checkpointing=['backbone.layer1']" in str(info.value)
+    assert not is_checkpointed(runner.model.backbone.layer1)

@@ -200,3 +200,28 @@ def test_applies_once_and_before_val_or_test():
     hook.before_train(runner)
     assert model.backbone.stem.forward == forward  # not traced again
     assert torch.allclose(model(x), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
+        make_cfg, tmp_path):
+    # MMEngine's Runner applies its own key after before_run: the pairs
+    # would be fused twice (found by an adversarial search)
+    cfg = make_cfg(
+        tmp_path,
+        efficient_conv_bn_eval=['backbone'],
+        custom_hooks=[
+            dict(type='mmdtr.EfficientConvBnEvalHook', modules=['backbone'])
+        ])
+    runner = Runner.from_cfg(cfg)
+    forwards = {
+        name: type(module).forward
+        for name, module in runner.model.named_modules()
+    }
+    with pytest.raises(MmdtrError, match='configured twice'):
+        runner.train()
+    assert forwards == {
+        name: type(module).forward
+        for name, module in runner.model.named_modules()
+    }
+    assert not any('forward' in vars(module)
+                   for module in runner.model.modules())
