@@ -9,9 +9,10 @@ from mmengine.model import is_model_wrapper
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
-from mmdtr.techniques.activation_checkpointing import (
-    POLICIES, apply_activation_checkpointing, normalize_policy)
+from mmdtr.techniques.activation_checkpointing import \
+    apply_activation_checkpointing
 from mmdtr.techniques.module_selection import as_name_list, resolve_modules
+from mmdtr.techniques.selective_policy import POLICIES, normalize_policy
 from .config_translation import memory_key, refuse_runner_key
 
 KEY = 'activation_checkpointing'

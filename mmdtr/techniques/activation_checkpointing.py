@@ -29,156 +29,31 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 import functools
 import inspect
 from contextlib import nullcontext
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+from torch.utils.checkpoint import (checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
 from mmdtr.errors import MmdtrError
-from .module_selection import closest_names, outermost, resolve_modules
+from .module_selection import outermost, resolve_modules
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
                                tracking_norms, watch_buffers, written_buffer)
-
-#: Named selective policies: the aten ops whose outputs are kept.
-POLICIES: Dict[str, Tuple[str, ...]] = {
-    'save_compute_heavy': ('mm', 'addmm', 'bmm', 'baddbmm', 'convolution',
-                           '_scaled_dot_product_flash_attention',
-                           '_scaled_dot_product_flash_attention_for_cpu',
-                           '_scaled_dot_product_efficient_attention',
-                           '_scaled_dot_product_cudnn_attention'),
-    'save_matmuls': ('mm', 'addmm', 'bmm', 'baddbmm'),
-    'save_convolutions': ('convolution', ),
-    'recompute_all': (),
-}
+from .selective_policy import (normalize_policy, save_policy,
+                               written_kept_output)
 
 _ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
 _POLICY_ATTR = '_mmdtr_ckpt_policy'
 
 
-def _op_name_candidates() -> List[str]:
-    try:
-        names = torch._C._dispatch_get_all_op_names()
-    except AttributeError:  # pragma: no cover - private API moved
-        return []
-    return sorted({
-        name[len('aten::'):].split('.')[0]
-        for name in names if name.startswith('aten::')
-    })
-
-
-def _bad_policy(policy, why: str, close: Sequence[str] = ()) -> MmdtrError:
-    extra = f' Closest aten ops: {list(close)}.' if close else ''
-    return MmdtrError(
-        f'activation_checkpointing policy={policy!r} is not accepted: {why}.'
-        f'{extra} Accepted: None, one of {sorted(POLICIES)}, or a list of '
-        "aten op names such as ['mm', 'aten.convolution', 'aten::bmm'].",
-        hint="use policy='save_compute_heavy' to keep matmul/conv outputs.")
-
-
-def _canonical_op(name: str, policy) -> str:
-    """Return ``'aten.<op>'`` or ``'aten.<op>.<overload>'`` for ``name``."""
-    text = name.strip()
-    for prefix in ('torch.ops.', 'aten::', 'aten.'):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    text = text.replace('::', '.')
-    if text.startswith('aten.'):
-        text = text[len('aten.'):]
-    parts = text.split('.')
-    if not text or len(parts) > 2 or not all(parts):
-        raise _bad_policy(policy, f'{name!r} is not an aten op name')
-    packet = getattr(torch.ops.aten, parts[0], None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise _bad_policy(policy, f'{name!r} is not an aten op',
-                          closest_names(parts[0], _op_name_candidates()))
-    if len(parts) == 2 and parts[1] not in packet.overloads():
-        raise _bad_policy(
-            policy, f'aten.{parts[0]} has no overload {parts[1]!r} '
-            f'(overloads: {packet.overloads()})')
-    return 'aten.' + '.'.join(parts)
-
-
-def normalize_policy(policy: Union[None, str, Sequence[str]]
-                     ) -> Optional[Tuple[str, ...]]:
-    """Validate a selective policy and return its canonical op names.
-
-    Args:
-        policy (None | str | Sequence[str]): ``None`` or ``'recompute_all'``
-            (plain checkpointing: recompute every op), a name of
-            :data:`POLICIES`, or a list of aten op names (``'mm'``,
-            ``'aten.mm'``, ``'aten::mm'``, ``'aten.mm.default'``) whose
-            outputs are kept.
-
-    Returns:
-        tuple[str] | None: Sorted canonical names (``'aten.mm'``), or
-        ``None`` for plain checkpointing.
-
-    Raises:
-        MmdtrError: If the policy or an op name is unknown.
-    """
-    if policy is None:
-        return None
-    if isinstance(policy, str):
-        if policy not in POLICIES:
-            close = closest_names(policy, sorted(POLICIES))
-            raise _bad_policy(
-                policy, 'unknown policy name' +
-                (f' (closest: {close})' if close else ''))
-        names = [n for n in POLICIES[policy] if hasattr(torch.ops.aten, n)]
-    elif (isinstance(policy, (list, tuple)) and policy
-          and all(isinstance(name, str) for name in policy)):
-        names = list(policy)
-    else:
-        raise _bad_policy(policy, 'expected a str or a non-empty list of '
-                          'str')
-    if not names:
-        return None
-    return tuple(sorted({_canonical_op(name, policy) for name in names}))
-
-
-class _SavePolicy:
-    """SAC policy: keep the outputs of ``overloads``, recompute the rest.
-
-    Args:
-        overloads (tuple[OpOverload]): The aten op overloads to keep.
-    """
-
-    def __init__(self, overloads: Tuple[object, ...]):
-        self.overloads = overloads
-        self.ops = frozenset(overloads)
-
-    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in self.ops:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-#: canonical policy names -> their _SavePolicy (a plain dict, not an
-#: lru_cache, so torch.compile can read it without a warning)
-_SAVE_POLICIES: Dict[Tuple[str, ...], _SavePolicy] = {}
-
-
-def _save_policy(names: Tuple[str, ...]) -> _SavePolicy:
-    policy = _SAVE_POLICIES.get(names)
-    if policy is None:
-        overloads = []
-        for name in names:
-            parts = name.split('.')[1:]
-            packet = getattr(torch.ops.aten, parts[0])
-            for overload in parts[1:] or packet.overloads():
-                overloads.append(getattr(packet, overload))
-        policy = _SAVE_POLICIES[names] = _SavePolicy(tuple(overloads))
-    return policy
-
-
-def _context_fn(norms: list,
-                policy: Optional[Tuple[str, ...]]) -> Tuple[object, object]:
+def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
+                forward_contexts: list) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
-            _save_policy(policy))
+            save_policy(policy))
+        forward_contexts.append(fwd)
     else:
         fwd, recompute = nullcontext(), nullcontext()
     return fwd, RecomputeContext(RunningStatsGuard(norms), recompute)
@@ -207,7 +82,7 @@ def _compiled_checkpoint(run: Callable, policy: Optional[Tuple[str, ...]],
         *inputs,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                     list(_save_policy(policy).overloads)))
+                                     list(save_policy(policy).overloads)))
 
 
 # newer torch takes early_stop per call; older only through the
@@ -235,7 +110,9 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     norms = tracking_norms(self)
-    context_fn = functools.partial(_context_fn, norms, policy)
+    forward_contexts = []
+    context_fn = functools.partial(_context_fn, norms, policy,
+                                   forward_contexts)
     inputs = [(t, t._version) for t in (*args, *kwargs.values())
               if isinstance(t, torch.Tensor) and not t.is_inference()]
     buffers = watch_buffers(self, norms)
@@ -261,6 +138,16 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             hint='select the block that contains it instead (a glob such '
             "as 'backbone.layer1.*', not 'backbone.layer1.*.*'), or make it "
             'out of place.')
+    kept = written_kept_output(forward_contexts)
+    if kept is not None:
+        raise MmdtrError(
+            f'activation_checkpointing: in a checkpointed '
+            f'{type(self).__name__}, the output of {kept}, which the '
+            'selective policy keeps, is written in place later in the '
+            'forward (e.g. by ReLU(inplace=True)); PyTorch refuses a kept '
+            'tensor that was written.',
+            hint='make that write out of place (inplace=False), or use '
+            'policy=None (recompute every op).')
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(
@@ -377,5 +264,5 @@ def apply_activation_checkpointing(model: nn.Module,
             module.forward = checkpointed_forward.__get__(module)
         setattr(module, _POLICY_ATTR, ops)
     if ops:
-        _save_policy(ops)  # resolve now, outside any torch.compile trace
+        save_policy(ops)  # resolve now, outside any torch.compile trace
     return names

@@ -412,3 +412,31 @@ def test_ddp_gradients_bit_identical():
         mp.spawn(_ddp_worker, args=(2, tmp), nprocs=2)
         assert [torch.load(os.path.join(tmp, f'{r}.pt'))
                 for r in (0, 1)] == [True, True]
+
+
+@pytest.mark.parametrize('policy, norm', [('save_convolutions', False),
+                                          ('save_compute_heavy', False),
+                                          (['native_batch_norm'], True)])
+def test_kept_output_written_in_place_is_refused_in_forward(policy, norm):
+    # a convolution's (or batch norm's) kept output, then ReLU(inplace=True):
+    # PyTorch's selective checkpointing raised its own RuntimeError in the
+    # first backward (found by an adversarial search)
+    model = nn.Sequential(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4) if norm else nn.Identity(),
+            nn.ReLU(inplace=True)), nn.Conv2d(4, 2, 1))
+    apply_activation_checkpointing(model, '0', policy)
+    with pytest.raises(MmdtrError, match='is written in place later'):
+        model(torch.randn(2, 3, 8, 8))
+    model[0][2].inplace = False  # as the hint says
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+
+
+def test_in_place_ops_are_not_kept():
+    with pytest.raises(MmdtrError, match='writes its input in place'):
+        normalize_policy(['add_'])
+    with pytest.raises(MmdtrError, match='writes its input in place'):
+        normalize_policy(['relu_.default'])
+    # add's out= overload writes its argument: never kept, add still is
+    assert normalize_policy(['add']) == ('aten.add', )

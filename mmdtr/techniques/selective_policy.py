@@ -1,0 +1,178 @@
+"""Selective checkpointing policies: which ops' outputs are kept (torch only).
+
+A policy is ``None`` (recompute every op), a name of :data:`POLICIES`, or a
+list of aten op names. :func:`normalize_policy` validates it when the config
+is read; :func:`save_policy` builds the policy function given to
+:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`, and
+:func:`written_kept_output` finds, after a checkpointed forward, a kept
+output that a later op wrote in place (which PyTorch refuses in backward).
+"""
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy
+
+from mmdtr.errors import MmdtrError
+from .module_selection import closest_names
+
+#: Named selective policies: the aten ops whose outputs are kept.
+POLICIES: Dict[str, Tuple[str, ...]] = {
+    'save_compute_heavy': ('mm', 'addmm', 'bmm', 'baddbmm', 'convolution',
+                           '_scaled_dot_product_flash_attention',
+                           '_scaled_dot_product_flash_attention_for_cpu',
+                           '_scaled_dot_product_efficient_attention',
+                           '_scaled_dot_product_cudnn_attention'),
+    'save_matmuls': ('mm', 'addmm', 'bmm', 'baddbmm'),
+    'save_convolutions': ('convolution', ),
+    'recompute_all': (),
+}
+
+
+def _op_name_candidates() -> List[str]:
+    try:
+        names = torch._C._dispatch_get_all_op_names()
+    except AttributeError:  # pragma: no cover - private API moved
+        return []
+    return sorted({
+        name[len('aten::'):].split('.')[0]
+        for name in names if name.startswith('aten::')
+    })
+
+
+def _bad_policy(policy, why: str, close: Sequence[str] = ()) -> MmdtrError:
+    extra = f' Closest aten ops: {list(close)}.' if close else ''
+    return MmdtrError(
+        f'activation_checkpointing policy={policy!r} is not accepted: {why}.'
+        f'{extra} Accepted: None, one of {sorted(POLICIES)}, or a list of '
+        "aten op names such as ['mm', 'aten.convolution', 'aten::bmm'].",
+        hint="use policy='save_compute_heavy' to keep matmul/conv outputs.")
+
+
+def _canonical_op(name: str, policy) -> str:
+    """Return ``'aten.<op>'`` or ``'aten.<op>.<overload>'`` for ``name``."""
+    text = name.strip()
+    for prefix in ('torch.ops.', 'aten::', 'aten.'):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = text.replace('::', '.')
+    if text.startswith('aten.'):
+        text = text[len('aten.'):]
+    parts = text.split('.')
+    if not text or len(parts) > 2 or not all(parts):
+        raise _bad_policy(policy, f'{name!r} is not an aten op name')
+    packet = getattr(torch.ops.aten, parts[0], None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise _bad_policy(policy, f'{name!r} is not an aten op',
+                          closest_names(parts[0], _op_name_candidates()))
+    if len(parts) == 2 and parts[1] not in packet.overloads():
+        raise _bad_policy(
+            policy, f'aten.{parts[0]} has no overload {parts[1]!r} '
+            f'(overloads: {packet.overloads()})')
+    if not _kept_overloads(packet, parts[1:]):
+        raise _bad_policy(
+            policy, f'{name!r} writes its input in place: the output it '
+            'would keep is the written input, which selective '
+            'checkpointing refuses in backward')
+    return 'aten.' + '.'.join(parts)
+
+
+def _kept_overloads(packet, overloads: Sequence[str]) -> list:
+    """The overloads of ``packet`` named (all if none) that write no
+    argument: the out= and in-place ones are never kept."""
+    ops = [getattr(packet, o) for o in overloads or packet.overloads()]
+    return [op for op in ops if not op._schema.is_mutable]
+
+
+def normalize_policy(policy: Union[None, str, Sequence[str]]
+                     ) -> Optional[Tuple[str, ...]]:
+    """Validate a selective policy and return its canonical op names.
+
+    Args:
+        policy (None | str | Sequence[str]): ``None`` or ``'recompute_all'``
+            (plain checkpointing: recompute every op), a name of
+            :data:`POLICIES`, or a list of aten op names (``'mm'``,
+            ``'aten.mm'``, ``'aten::mm'``, ``'aten.mm.default'``) whose
+            outputs are kept.
+
+    Returns:
+        tuple[str] | None: Sorted canonical names (``'aten.mm'``), or
+        ``None`` for plain checkpointing.
+
+    Raises:
+        MmdtrError: If the policy or an op name is unknown.
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            close = closest_names(policy, sorted(POLICIES))
+            raise _bad_policy(
+                policy, 'unknown policy name' +
+                (f' (closest: {close})' if close else ''))
+        names = [n for n in POLICIES[policy] if hasattr(torch.ops.aten, n)]
+    elif (isinstance(policy, (list, tuple)) and policy
+          and all(isinstance(name, str) for name in policy)):
+        names = list(policy)
+    else:
+        raise _bad_policy(policy, 'expected a str or a non-empty list of '
+                          'str')
+    if not names:
+        return None
+    return tuple(sorted({_canonical_op(name, policy) for name in names}))
+
+
+class _SavePolicy:
+    """SAC policy: keep the outputs of ``overloads``, recompute the rest.
+
+    Args:
+        overloads (tuple[OpOverload]): The aten op overloads to keep.
+    """
+
+    def __init__(self, overloads: Tuple[object, ...]):
+        self.overloads = overloads
+        self.ops = frozenset(overloads)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in self.ops:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+#: canonical policy names -> their _SavePolicy (a plain dict, not an
+#: lru_cache, so torch.compile can read it without a warning)
+_SAVE_POLICIES: Dict[Tuple[str, ...], _SavePolicy] = {}
+
+
+def save_policy(names: Tuple[str, ...]) -> _SavePolicy:
+    policy = _SAVE_POLICIES.get(names)
+    if policy is None:
+        overloads = []
+        for name in names:
+            parts = name.split('.')[1:]
+            overloads += _kept_overloads(
+                getattr(torch.ops.aten, parts[0]), parts[1:])
+        policy = _SAVE_POLICIES[names] = _SavePolicy(tuple(overloads))
+    return policy
+
+
+def written_kept_output(forward_contexts: list) -> Optional[str]:
+    """The op whose output a selective policy kept and a later op of the
+    forward wrote in place, if any: PyTorch's selective checkpointing
+    raises on it in backward. Read from its caching mode's store (each
+    kept tensor with its version); ``None`` where that store has another
+    shape (another torch): backward then raises PyTorch's own error."""
+    for fwd in forward_contexts:
+        store = getattr(fwd, 'storage', None)
+        if not isinstance(store, dict):
+            continue
+        for key, entries in store.items():
+            if isinstance(entries, dict):  # by call index (newer torch)
+                entries = list(entries.values())
+            for kept in tree_leaves(entries):
+                val = getattr(kept, 'val', None)
+                version = getattr(kept, 'version', None)
+                if isinstance(val, torch.Tensor) and version is not None \
+                        and val._version != version:
+                    return str(key[0] if isinstance(key, tuple) else key)
+    return None
