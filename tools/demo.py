@@ -168,7 +168,7 @@ def _check_module_names(cfg) -> None:
         except Exception:  # noqa: B902 - the runner will say why
             return  # (another scope's model, say): checked when it trains
     for hook in selecting:
-        hook.before_run(types.SimpleNamespace(model=model))
+        hook.before_run(types.SimpleNamespace(model=model, cfg=cfg))
 
 
 def demo(args) -> None:

@@ -18,7 +18,9 @@ CONFIG_TYPES = ('.py', '.json', '.yaml', '.yml')
 
 
 class CfgOptionsAction(DictAction):
-    """:class:`~mmengine.config.DictAction` that rejects a missing ``=``."""
+    """:class:`~mmengine.config.DictAction` that rejects a missing ``=`` and
+    a value it cannot parse (unbalanced brackets, ``dict(...)`` with a
+    comma) with one :class:`~mmdtr.errors.MmdtrError` naming the pair."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         for kv in values:
@@ -28,7 +30,19 @@ class CfgOptionsAction(DictAction):
                     hint='e.g. --cfg-options train_cfg.max_iters=100 '
                     "optim_wrapper.optimizer.lr=0.01 'custom_imports."
                     "imports=[my_module]'")
-        super().__call__(parser, namespace, values, option_string)
+        for kv in values:  # one by one: DictAction accumulates
+            try:
+                super().__call__(parser, namespace, [kv], option_string)
+            except (RecursionError, AssertionError, ValueError, TypeError,
+                    IndexError) as e:
+                raise MmdtrError(
+                    f'--cfg-options {kv!r} cannot be parsed '
+                    f'({type(e).__name__}: {e}). Accepted values: a number, '
+                    'a bool, None, a string, or a list or tuple of those in '
+                    'balanced brackets ([a,b], (a,b)).',
+                    hint='set nested keys one by one (dtr.eviction_'
+                    'threshold=3GB), or write dicts in the config file.'
+                ) from None
 
 
 def read_config(path: str) -> Config:

@@ -148,12 +148,19 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
     assert 'amp=dict' in info.value.hint
 
 
-@pytest.mark.parametrize('options, match', [
-    (['train_cfg.max_iters'], 'KEY=VALUE'),
-    (['train_cfg.max_iters.x=1'], 'cannot be merged'),
-    (['custom_imports.imports=[no_such_module_xyz]'], 'cannot be imported'),
-    (['custom_imports=3'], 'custom_imports=3')
-])
+@pytest.mark.parametrize(
+    'options, match',
+    [
+        (['train_cfg.max_iters'], 'KEY=VALUE'),
+        (['train_cfg.max_iters.x=1'], 'cannot be merged'),
+        (['custom_imports.imports=[no_such_module_xyz]'
+          ], 'cannot be imported'),
+        (['custom_imports=3'], 'custom_imports=3'),
+        # MMEngine's DictAction: a RecursionError and an AssertionError
+        (['custom_hooks=[dict(type=mmdtr.DTRHook,eviction_threshold=1GB)]'
+          ], r"'custom_hooks=\[dict.* cannot be parsed"),
+        (['train_cfg.max_iters=2', 'x=(1,2'], r"'x=\(1,2' cannot be parsed")
+    ])
 def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
     with pytest.raises(MmdtrError, match=match):
         build(train_tool, toy_config, '--cfg-options', *options)
