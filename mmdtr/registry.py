@@ -1,8 +1,11 @@
 """mmdtr's registries: children of MMEngine's, as OpenMMLab repos do.
 
-Components registered here are reachable from a config either through
-``custom_imports=dict(imports=['mmdtr'])`` and their plain name, or through
-the scoped name ``'mmdtr.Name'``. Every MMEngine root registry has a child
+Components registered here are reachable from a config by their plain
+name when its ``default_scope`` is ``'mmdtr'``, and from any config through
+the scoped name ``'mmdtr.Name'`` (with
+``custom_imports=dict(imports=['mmdtr'])``); a plain name of mmdtr's in
+another scope is refused when the config is read. Every MMEngine root
+registry has a child
 here, so a config with ``default_scope='mmdtr'`` finds MMEngine's own
 components (loops, optimizers, visualizers, ...) without warnings.
 """

@@ -113,7 +113,8 @@ def translate_memory_keys(cfg: Config) -> Config:
     """
     _refuse_near_misses(cfg)
     hooks = []
-    custom_hooks = _custom_hooks(cfg.get('custom_hooks', None))
+    custom_hooks = _custom_hooks(
+        cfg.get('custom_hooks', None), cfg.get('default_scope', None))
     for name, translate in MEMORY_KEY_TRANSLATORS.items():
         value = cfg.get(name, None)
         if value is None:
@@ -168,11 +169,12 @@ def refuse_runner_key(runner, key: str, hook: Hook) -> None:
             f'tools/train.py) turns the {key} key into this hook.')
 
 
-def _custom_hooks(value) -> list:
+def _custom_hooks(value, default_scope) -> list:
     """``custom_hooks`` as a list, refused unless it is a list of hook
-    configs (dicts with a type, or hooks) of types that exist and valid
-    priorities; MMEngine would fail on them later, in a traceback (a dict
-    without its brackets was read as the list of its keys)."""
+    configs (dicts with a type, or hooks) of types that exist in the
+    config's scope and valid priorities; MMEngine would fail on them later,
+    in a traceback (a dict without its brackets was read as the list of its
+    keys)."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
@@ -192,6 +194,8 @@ def _custom_hooks(value) -> list:
                 hint="e.g. dict(type='mmdtr.DTRHook', "
                 "eviction_threshold='5GB').")
         _check_hook_type(i, hook['type'])
+        check_scoped_type(f'custom_hooks[{i}]', hook['type'], HOOKS,
+                          hook.get('_scope_', None) or default_scope)
         if 'priority' in hook:
             try:
                 get_priority(hook['priority'])
@@ -218,6 +222,39 @@ def _check_hook_type(i: int, name) -> None:
             f'custom_hooks[{i}]: type={name!r} is not a registered hook.',
             hint=f"mmdtr's hooks are {ours}" +
             (f'; closest match: {close[0]!r}.' if close else '.'))
+
+
+def check_scoped_type(where: str, name, registry, scope) -> None:
+    """Refuse a type name without a scope that only mmdtr registers when
+    the config's scope is not mmdtr's.
+
+    MMEngine's builders look a plain name up in the registry of the
+    config's ``default_scope`` (MMEngine's own if unset) and its parents,
+    never in mmdtr's, a sibling: ``type='DTRHook'`` failed there with a
+    ``KeyError`` when the runner was built.
+
+    Args:
+        where (str): The config key, for the message.
+        name: The ``type`` given (a class or a scoped name passes).
+        registry (Registry): mmdtr's registry of that kind.
+        scope (str | None): ``_scope_`` of the entry, else the config's
+            ``default_scope``.
+
+    Raises:
+        MmdtrError: If ``name`` resolves only in ``registry``.
+    """
+    if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
+        return
+    if name in registry.module_dict and name not in \
+            registry.parent.module_dict:
+        where_scope = f'scope {scope!r}' if scope else \
+            "scope (no default_scope: MMEngine's)"
+        raise MmdtrError(
+            f"{where}: type={name!r} is mmdtr's, but MMEngine's builder "
+            f"looks it up in the config's {where_scope} and does not find "
+            'it there.',
+            hint=f"write type='mmdtr.{name}' (or set default_scope="
+            "'mmdtr').")
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:

@@ -34,9 +34,9 @@ from torch import distributed as torch_dist
 from torch import nn
 
 from mmdtr.errors import MmdtrError
-from mmdtr.registry import RUNNERS
+from mmdtr.registry import OPTIM_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
-from .config_translation import (SOURCE_ATTR, config_check,
+from .config_translation import (SOURCE_ATTR, check_scoped_type, config_check,
                                  translate_memory_keys)
 from .distributed import init_cpu_dist
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
@@ -124,6 +124,7 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
         MmdtrError: On a setting that is not accepted.
     """
     distributed = cfg.get('launcher', 'none') not in (None, 'none')
+    default_scope = cfg.get('default_scope', None)
     optim_wrapper = cfg.get('optim_wrapper', None)
     if optim_wrapper is not None and not isinstance(optim_wrapper, dict):
         raise MmdtrError(
@@ -135,6 +136,9 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
     for wrapper in _wrapper_cfgs(optim_wrapper):
+        check_scoped_type('optim_wrapper', wrapper.get('type', None),
+                          OPTIM_WRAPPERS,
+                          wrapper.get('_scope_', None) or default_scope)
         built_by_default = default and _default_constructor(wrapper)
         if built_by_default:
             _check_optimizer_key(wrapper)
@@ -142,7 +146,7 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
             check_wrapper_config(wrapper, distributed)
             continue
         if built_by_default and ('type' in wrapper or 'optimizer' in wrapper):
-            _check_wrapper_keys(wrapper, cfg.get('default_scope', None))
+            _check_wrapper_keys(wrapper, default_scope)
         if 'accumulative_counts' in wrapper:
             check_accumulative_counts(wrapper['accumulative_counts'], False)
         if amp_convertible(wrapper.get('type', 'OptimWrapper')):
@@ -169,7 +173,6 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
     default constructor would fail on either in ``runner.train()``, in a
     traceback. Other scopes' types are left to MMEngine (their registries
     may not be imported yet)."""
-    from mmdtr.registry import OPTIM_WRAPPERS
     wrapper_type = wrapper.get('type', 'OptimWrapper')
     cls = wrapper_type if isinstance(wrapper_type, type) else \
         OPTIM_WRAPPERS.get(wrapper_type)

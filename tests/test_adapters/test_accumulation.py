@@ -160,7 +160,7 @@ SGD = dict(type='SGD', lr=0.1)
          r"optim_wrapper.clip_grad.type='foo' is not accepted"),
         (dict(type='mmengine.OptimWrapper', optimizer=[1]),
          r'optim_wrapper.optimizer=\[1\] is not accepted'),
-        (dict(type='InplaceOptimWrapper', optimizer=[1]),
+        (dict(type='mmdtr.InplaceOptimWrapper', optimizer=[1]),
          r'optim_wrapper.optimizer=\[1\] is not accepted'),
     ],
     ids=[
@@ -206,3 +206,18 @@ def test_legitimate_wrapper_configs_pass(optim_wrapper):
             dict(
                 default_scope='mmpretrain',
                 optim_wrapper=dict(type='MyOptimWrapper', optimizer=SGD))))
+
+
+def test_plain_wrapper_name_outside_mmdtrs_scope_is_refused():
+    # the wrapper was taken for mmdtr's, checked, then MMEngine's builder
+    # raised a KeyError in runner.train() (found by an adversarial search)
+    wrapper = dict(type='InplaceOptimWrapper', optimizer=SGD)
+    with pytest.raises(
+            MmdtrError, match="type='InplaceOptimWrapper' is "
+            "mmdtr's") as info:
+        translate_memory_keys(Config(dict(optim_wrapper=wrapper)))
+    assert "type='mmdtr.InplaceOptimWrapper'" in info.value.hint
+    translate_memory_keys(
+        Config(dict(default_scope='mmdtr', optim_wrapper=wrapper)))
+    translate_memory_keys(
+        Config(dict(optim_wrapper=dict(wrapper, _scope_='mmdtr'))))

@@ -121,6 +121,7 @@ def test_key_and_hook_together_fail_before_training(hook_type, make_cfg,
                                                     tmp_path):
     cfg = make_cfg(
         tmp_path,
+        default_scope='mmdtr',  # where 'DTRHook' is found
         dtr=dict(eviction_threshold='1GB'),
         custom_hooks=[dict(type=hook_type, eviction_threshold='2GB')])
     with pytest.raises(
@@ -137,8 +138,9 @@ WRAPPER = dict(
 @pytest.mark.parametrize(
     'keys, match',
     [
-        (dict(custom_hooks=[dict(type='DTRHook', eviction_threshold='1XB')]),
-         r"custom_hooks\[0\].*'1XB' is not a size"),
+        (dict(custom_hooks=[
+            dict(type='mmdtr.DTRHook', eviction_threshold='1XB')
+        ]), r"custom_hooks\[0\].*'1XB' is not a size"),
         (dict(custom_hooks=[dict(type='mmdtr.ActivationCheckpointingHook')]),
          r"custom_hooks\[0\].*missing 1 required"),
         (dict(custom_hooks=[dict(type=DTRHook, evicton_threshold='1GB')]),
@@ -225,8 +227,39 @@ def test_legitimate_configs_are_not_refused(make_cfg, tmp_path):
         dict(type='ActivationCheckpointingHook', modules='b', priority=40),
         dict(type='DTRHook', eviction_threshold='1GB', _scope_='mmdtr'),
     ]
-    cfg = make_cfg(tmp_path, DETR=DETR, detr=dict(x=1), custom_hooks=hooks)
+    cfg = make_cfg(
+        tmp_path,
+        default_scope='mmdtr',
+        DETR=DETR,
+        detr=dict(x=1),
+        custom_hooks=hooks)
     assert translate_memory_keys(cfg).custom_hooks == hooks
+
+
+@pytest.mark.parametrize('default_scope', [None, 'mmengine', 'mmdet'])
+def test_plain_hook_name_outside_mmdtrs_scope_is_refused(
+        default_scope, make_cfg, tmp_path):
+    # MMEngine looks a plain name up in the default scope's registry and
+    # its parents, never in mmdtr's: a KeyError when the runner was built
+    # (found by an adversarial search)
+    cfg = make_cfg(
+        tmp_path,
+        default_scope=default_scope,
+        custom_hooks=[dict(type='DTRHook', eviction_threshold='1GB')])
+    with pytest.raises(
+            MmdtrError, match=r"custom_hooks\[0\]: type='DTRHook'") as info:
+        translate_memory_keys(cfg)
+    assert "type='mmdtr.DTRHook'" in info.value.hint
+    for hook in (dict(type='mmdtr.DTRHook'),
+                 dict(type='DTRHook', _scope_='mmdtr')):
+        cfg.custom_hooks = [dict(hook, eviction_threshold='1GB')]
+        translate_memory_keys(cfg)
+    cfg.default_scope = 'mmdtr'
+    cfg.custom_hooks = [dict(type='DTRHook', eviction_threshold='1GB')]
+    translate_memory_keys(cfg)
+    cfg.default_scope = default_scope  # MMEngine's own hooks: left alone
+    cfg.custom_hooks = [dict(type='EMAHook')]
+    translate_memory_keys(cfg)
 
 
 def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):

@@ -134,7 +134,7 @@ def test_refused_before_the_runner_is_built(case):
     cfg = Config(
         dict(
             optim_wrapper=dict(
-                type='InplaceOptimWrapper',
+                type='mmdtr.InplaceOptimWrapper',
                 optimizer=optimizer,
                 **wrapper_kwargs)))
     with pytest.raises(MmdtrError, match=re.escape(match)):
