@@ -35,10 +35,12 @@ if [ ! -f "$CONFIG" ]; then
 fi
 for NAME in NNODES NODE_RANK PORT; do
     VALUE=${!NAME}
-    if ! [[ "$VALUE" =~ ^[0-9]+$ ]] || { [ "$NAME" = NNODES ] && \
-            [ "$VALUE" -lt 1 ]; }; then
+    if ! [[ "$VALUE" =~ ^[0-9]{1,9}$ ]] || { [ "$NAME" = NNODES ] && \
+            [ "$VALUE" -lt 1 ]; } || { [ "$NAME" = PORT ] && \
+            [ "$VALUE" -gt 65535 ]; }; then
         echo "MmdtrError: mmdtr: $NAME '$VALUE' is not accepted; accepted:" \
-            "a non-negative integer (NNODES: positive)." \
+            "a non-negative integer (NNODES: positive; PORT: at most" \
+            "65535)." \
             "Hint: e.g. NNODES=1 NODE_RANK=0 PORT=29500." >&2
         exit 1
     fi

@@ -297,7 +297,8 @@ def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
 
 
 @pytest.mark.parametrize('name, value', [('NNODES', '0'), ('NNODES', 'x'),
-                                         ('NODE_RANK', '-1'), ('PORT', 'abc')])
+                                         ('NODE_RANK', '-1'), ('PORT', 'abc'),
+                                         ('PORT', '99999')])
 def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
     # torchrun ended in a traceback (found by an adversarial search)
     proc = run_dist_train(
