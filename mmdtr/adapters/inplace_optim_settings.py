@@ -16,6 +16,7 @@ from typing import Iterable, NamedTuple, Optional, Tuple
 import torch
 
 from mmdtr.errors import MmdtrError
+from mmdtr.techniques.inplace_update import foreach_refused
 
 KEY = 'optim_wrapper'
 #: The arguments of ``InplaceOptimWrapper``.
@@ -363,6 +364,9 @@ def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
         settings.get('accumulative_counts', 1), step_in_backward)
     clip_grad_settings(settings.get('clip_grad'), step_in_backward)
     amp_settings(settings.get('amp'), step_in_backward)
+    optimizer = wrapper.get('optimizer', None)
+    if isinstance(optimizer, dict) and optimizer.get('foreach') is True:
+        raise foreach_refused(str(optimizer.get('type')))
     if step_in_backward and distributed:
         raise MmdtrError(
             f'{KEY}.step_in_backward=True cannot train with a launcher '

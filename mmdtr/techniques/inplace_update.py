@@ -60,15 +60,21 @@ def make_inplace(optimizer: Optimizer) -> None:
     if 'foreach' not in optimizer.defaults:
         return
     if optimizer.defaults['foreach']:
-        raise MmdtrError(
-            f'optimizer.foreach=True ({type(optimizer).__name__}) allocates '
-            'transient copies of the whole parameter list at every step; '
-            'in-place updates accept foreach=None or False.',
-            hint='drop foreach from the optimizer config (fused=True is '
-            'accepted where torch supports it).')
+        raise foreach_refused(type(optimizer).__name__)
     optimizer.defaults['foreach'] = False
     for group in optimizer.param_groups:
         group['foreach'] = False
+
+
+def foreach_refused(optimizer_name: str) -> MmdtrError:
+    """The error for an optimizer built (or configured) with
+    ``foreach=True``, which in-place updates refuse."""
+    return MmdtrError(
+        f'optimizer.foreach=True ({optimizer_name}) allocates transient '
+        'copies of the whole parameter list at every step; in-place updates '
+        'accept foreach=None or False.',
+        hint='drop foreach from the optimizer config (fused=True is '
+        'accepted where torch supports it).')
 
 
 def release_grads(optimizer: Optimizer) -> None:

@@ -12,8 +12,9 @@ from mmdtr.adapters.inplace_optim_settings import check_wrapper_config
 from mmdtr.errors import MmdtrError
 
 #: refusals that depend on the optimizer, which the config check leaves to
-#: the constructor
-NEEDS_THE_OPTIMIZER = ('foreach', 'lbfgs')
+#: the constructor (foreach=True is read from the config too: found by an
+#: adversarial search)
+NEEDS_THE_OPTIMIZER = ('lbfgs', )
 
 
 def _refusals():
