@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
@@ -48,12 +49,44 @@ _ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
 _POLICY_ATTR = '_mmdtr_ckpt_policy'
 
 
+def _kept_output_written(owner: str, op: str, where: str) -> MmdtrError:
+    return MmdtrError(
+        f'activation_checkpointing: the output of {op} in a checkpointed '
+        f'{owner}, which the selective policy keeps, is written in place '
+        f'{where} (e.g. by ReLU(inplace=True)); PyTorch refuses a kept '
+        'tensor that was written.',
+        hint='make that write out of place (inplace=False), or use '
+        'policy=None (recompute every op).')
+
+
+class _CheckedRecompute:
+    """SAC's recompute context, entered only if no kept output of the
+    forward was written since (by an op after the checkpointed module
+    returned: the forward's own check saw the module's ops)."""
+
+    def __init__(self, forward_context, recompute_context, owner: str):
+        self.forward_context = forward_context
+        self.recompute_context = recompute_context
+        self.owner = owner
+
+    def __enter__(self):
+        op = written_kept_output([self.forward_context])
+        if op is not None:
+            raise _kept_output_written(self.owner, op,
+                                       'after the module returned')
+        return self.recompute_context.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self.recompute_context.__exit__(*exc_info)
+
+
 def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
-                forward_contexts: list) -> Tuple[object, object]:
+                forward_contexts: list, owner: str) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
             save_policy(policy))
         forward_contexts.append(fwd)
+        recompute = _CheckedRecompute(fwd, recompute, owner)
     else:
         fwd, recompute = nullcontext(), nullcontext()
     return fwd, RecomputeContext(RunningStatsGuard(norms), recompute)
@@ -112,7 +145,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     norms = tracking_norms(self)
     forward_contexts = []
     context_fn = functools.partial(_context_fn, norms, policy,
-                                   forward_contexts)
+                                   forward_contexts,
+                                   type(self).__name__)
     inputs = [(t, t._version) for t in (*args, *kwargs.values())
               if isinstance(t, torch.Tensor) and not t.is_inference()]
     buffers = watch_buffers(self, norms)
@@ -128,6 +162,10 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             preserve_rng_state=True,
             context_fn=context_fn,
             **_EARLY_STOP_OFF)
+    if not any(
+            t.requires_grad
+            for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+        return out  # no backward reaches it, no recompute: as it is
     if any(t._version != version for t, version in inputs):
         # the recompute would run on the written input: autograd's in-place
         # error in backward, or, if it passes, other values
@@ -140,14 +178,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             'out of place.')
     kept = written_kept_output(forward_contexts)
     if kept is not None:
-        raise MmdtrError(
-            f'activation_checkpointing: in a checkpointed '
-            f'{type(self).__name__}, the output of {kept}, which the '
-            'selective policy keeps, is written in place later in the '
-            'forward (e.g. by ReLU(inplace=True)); PyTorch refuses a kept '
-            'tensor that was written.',
-            hint='make that write out of place (inplace=False), or use '
-            'policy=None (recompute every op).')
+        raise _kept_output_written(
+            type(self).__name__, kept, 'later in its forward')
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(

@@ -80,10 +80,10 @@ class RecomputeContext:
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
-        stack = ExitStack()
-        stack.enter_context(self.guard)
-        stack.enter_context(self.sac_context)
-        self._stacks.append(stack)
+        with ExitStack() as stack:  # unwound if the SAC context refuses
+            stack.enter_context(self.guard)
+            stack.enter_context(self.sac_context)
+            self._stacks.append(stack.pop_all())
 
     def __exit__(self, *exc_info) -> None:
         self._stacks.pop().__exit__(*exc_info)

@@ -78,10 +78,18 @@ def _canonical_op(name: str, policy) -> str:
 
 
 def _kept_overloads(packet, overloads: Sequence[str]) -> list:
-    """The overloads of ``packet`` named (all if none) that write no
-    argument: the out= and in-place ones are never kept."""
+    """The overloads of ``packet`` named (all if none) that return no
+    written argument: the out= and in-place ones (``add_``'s list overload
+    too, whose schema does not say it) are never kept; batch norm's, which
+    write the running statistics and return new tensors, are."""
     ops = [getattr(packet, o) for o in overloads or packet.overloads()]
-    return [op for op in ops if not op._schema.is_mutable]
+    in_place = packet.__name__.endswith('_')
+    return [
+        op for op in ops
+        if not (in_place and op._schema.is_mutable) and not any(
+            r.alias_info is not None and r.alias_info.is_write
+            for r in op._schema.returns)
+    ]
 
 
 def normalize_policy(policy: Union[None, str, Sequence[str]]

@@ -16,6 +16,7 @@ from mmdtr.adapters.distributed import close_dist
 from mmdtr.errors import MmdtrError
 from mmdtr.techniques.activation_checkpointing import (
     apply_activation_checkpointing, is_checkpointed, normalize_policy)
+from mmdtr.techniques.selective_policy import save_policy
 from mmdtr.utils.profiler_memory import measure_peak_memory
 
 
@@ -440,3 +441,45 @@ def test_in_place_ops_are_not_kept():
         normalize_policy(['relu_.default'])
     # add's out= overload writes its argument: never kept, add still is
     assert normalize_policy(['add']) == ('aten.add', )
+    ops = save_policy(('aten.add', )).ops
+    assert torch.ops.aten.add.Tensor in ops
+    assert torch.ops.aten.add.out not in ops
+    # writes the running statistics, returns new tensors: kept
+    assert normalize_policy(['_native_batch_norm_legit.default'
+                             ]) == ('aten._native_batch_norm_legit.default', )
+
+
+def test_frozen_module_writing_a_kept_output_is_not_refused():
+    # no output requires grad: no backward recomputes it (mmdet's
+    # frozen_stages with a checkpointed backbone; found by a review)
+    stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True))
+    stem.requires_grad_(False)
+    model = nn.Sequential(nn.Sequential(stem), nn.Conv2d(4, 2, 1))
+    apply_activation_checkpointing(model, '0', 'save_convolutions')
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert model[1].weight.grad is not None
+
+
+def test_kept_output_written_after_the_module_returns_is_refused():
+    # the checkpointed module's forward saw no write; the parent's relu_
+    # wrote the kept convolution output after it returned: refused when
+    # backward would recompute (PyTorch's own error before; found by a
+    # review), with the norm layers' statistics put back
+    class Parent(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3))
+            self.head = nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            return self.head(torch.relu_(self.block(x)))
+
+    model = Parent()
+    apply_activation_checkpointing(model, 'block', 'save_convolutions')
+    out = model(torch.randn(2, 3, 8, 8)).sum()
+    stats = list(model.block[0].buffers())
+    with pytest.raises(MmdtrError, match='after the module returned'):
+        out.backward()
+    # the buffers themselves, not the recompute's throw-away copies
+    assert all(a is b for a, b in zip(stats, model.block[0].buffers()))
