@@ -18,6 +18,7 @@ keys again, and ``--cfg-options`` on them still take effect.
 """
 import copy
 import difflib
+import importlib
 import inspect
 import types
 from typing import Callable, Dict, List
@@ -246,7 +247,8 @@ def check_scoped_type(where: str, name, registry, scope) -> None:
     if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
         return
     if name in registry.module_dict and name not in \
-            registry.parent.module_dict:
+            registry.parent.module_dict and \
+            _scope_registry(registry, scope).get(name) is None:
         where_scope = f'scope {scope!r}' if scope else \
             "scope (no default_scope: MMEngine's)"
         raise MmdtrError(
@@ -255,6 +257,22 @@ def check_scoped_type(where: str, name, registry, scope) -> None:
             'it there.',
             hint=f"write type='mmdtr.{name}' (or set default_scope="
             "'mmdtr').")
+
+
+def _scope_registry(registry, scope):
+    """The registry MMEngine's builder looks a plain name up in under
+    ``scope``, as its ``switch_scope_and_registry`` finds it: the scope's
+    (a project built on mmdtr's registries finds mmdtr's names through its
+    parents), or, if none is imported, the root of ``registry``."""
+    root = registry.parent
+    if scope is None or scope == root.scope:
+        return root
+    try:
+        importlib.import_module(f'{scope}.registry')
+    except (ImportError, AttributeError):
+        pass
+    found = root._search_child(scope)
+    return root if found is None else found
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:

@@ -25,8 +25,9 @@ from mmengine.runner import BaseLoop
 
 from mmdtr.dtr import DTRStats
 from mmdtr.errors import MmdtrError
-from mmdtr.registry import HOOKS
-from .config_translation import config_check, hook_name, memory_key
+from mmdtr.registry import HOOKS, MODEL_WRAPPERS
+from .config_translation import (check_scoped_type, config_check, hook_name,
+                                 memory_key)
 from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
                                 dtr_settings, model_device)
 
@@ -73,7 +74,9 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
       :class:`DTRHook` (configured twice), or without a launcher (MMEngine
       wraps the model only when distributed, so it would be ignored), or
       with values the engine refuses (checked here, not when the model is
-      wrapped after the process group is set up).
+      wrapped after the process group is set up);
+    - a plain ``model_wrapper_cfg.type`` of mmdtr's in another scope (see
+      :func:`~.config_translation.check_scoped_type`).
 
     Args:
         cfg (Config): The config.
@@ -84,6 +87,10 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
     """
     hooks = [h for h in custom_hooks if hook_name(h) == 'DTRHook']
     wrapper = cfg.get('model_wrapper_cfg', None)
+    if isinstance(wrapper, dict):
+        check_scoped_type(
+            'model_wrapper_cfg', wrapper.get('type', None), MODEL_WRAPPERS,
+            wrapper.get('_scope_', None) or cfg.get('default_scope', None))
     by_wrapper = wrapper.get('dtr', None) if isinstance(wrapper,
                                                         dict) else None
     compiled = cfg.get('compile', None)

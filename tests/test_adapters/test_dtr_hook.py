@@ -260,6 +260,28 @@ def test_plain_hook_name_outside_mmdtrs_scope_is_refused(
     cfg.default_scope = default_scope  # MMEngine's own hooks: left alone
     cfg.custom_hooks = [dict(type='EMAHook')]
     translate_memory_keys(cfg)
+    cfg.custom_hooks = []  # nor is a DDP wrapper of mmdtr's
+    cfg.launcher, cfg.model_wrapper_cfg = 'pytorch', dict(
+        type='DTRDistributedDataParallel', dtr=dict(eviction_threshold='1GB'))
+    with pytest.raises(MmdtrError, match="model_wrapper_cfg: type='DTRD"):
+        translate_memory_keys(cfg)
+
+
+def test_plain_hook_name_in_a_scope_built_on_mmdtrs_is_accepted(
+        make_cfg, tmp_path):
+    # a project whose registry is a child of mmdtr's: MMEngine finds
+    # mmdtr's names through its parents (a false refusal; found by a review)
+    from mmengine.registry import Registry
+
+    from mmdtr.registry import HOOKS as MMDTR_HOOKS
+    scope = 'mmdtr_test_child_project'
+    if MMDTR_HOOKS._search_child(scope) is None:
+        Registry('hook', parent=MMDTR_HOOKS, scope=scope)
+    cfg = make_cfg(
+        tmp_path,
+        default_scope=scope,
+        custom_hooks=[dict(type='DTRHook', eviction_threshold='1GB')])
+    translate_memory_keys(cfg)
 
 
 def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):
