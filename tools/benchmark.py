@@ -275,12 +275,14 @@ def check_args(args) -> None:
     args.device = check_device(args.device)
     check_numbers(args)
     parse_size(args.evictee_minimum_size, '--evictee-minimum-size')
+    # checked whatever the command, so that a typo is never ignored
+    headroom = parse_size(args.headroom, '--headroom')
+    capacity = None if args.capacity is None else parse_size(
+        args.capacity, '--capacity')
+    match = parse_match(args.match)
     if args.command in ('largest-batch', 'all'):
         if args.capacity is None and not args.quick:
             raise MmdtrError(f'{args.command} needs --capacity, e.g. 1GB.')
-        headroom = parse_size(args.headroom, '--headroom')
-        capacity = None if args.capacity is None else parse_size(
-            args.capacity, '--capacity')
         if capacity == 0:
             raise MmdtrError(
                 f'--capacity {args.capacity} must be above 0.',
@@ -289,15 +291,15 @@ def check_args(args) -> None:
             raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
                              f'--capacity {args.capacity}.')
         max_batch = _max_batch(args)
+        quick_max = args.max_batch is None and args.quick
         if args.start_batch is not None and args.start_batch > max_batch:
             raise MmdtrError(
                 f'--start-batch {args.start_batch} is above the largest '
                 f'batch tried, {max_batch} (--max-batch'
-                f"{', as --quick sets it' if args.max_batch is None else ''}"
+                f"{', as --quick sets it' if quick_max else ''}"
                 ').',
                 hint='give a smaller --start-batch or a larger --max-batch.')
     if args.command in ('compare', 'all'):
-        match = parse_match(args.match)
         if isinstance(match, int):
             check_threshold(match, '--match', args.match, args.device)
     for threshold in args.thresholds:
@@ -315,9 +317,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
     name = osp.splitext(osp.basename(args.config))[0]
-    work_dir = args.work_dir or osp.join('work_dirs', 'benchmark', name)
-    check_work_dir(work_dir,
-                   '--work-dir' if args.work_dir else 'the default work dir')
+    given = args.work_dir is not None  # '' is refused, not replaced
+    work_dir = args.work_dir if given else osp.join('work_dirs', 'benchmark',
+                                                    name)
+    check_work_dir(work_dir, '--work-dir' if given else 'the default work dir')
     json_path = osp.join(work_dir, 'results.json')
     # a results.json that is not the benchmark's is refused before any run
     results = read_results(json_path)
@@ -333,7 +336,9 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.cfg_options, args.image_size,
                       args.seq_len)
     suite = build_suite(args, cfg, work_dir)
-    check_workload(cfg)
+    # the alternatives checkpoint blocks: the glob is resolved now
+    check_workload(
+        cfg, args.blocks if args.command in ('compare', 'all') else False)
     commands = (('sweep', 'compare',
                  'largest-batch') if args.command == 'all' else
                 (args.command, ))

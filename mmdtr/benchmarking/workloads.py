@@ -12,7 +12,7 @@ activations (:data:`DEFAULT_BLOCKS`).
 """
 import math
 from contextlib import nullcontext
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from mmengine.config import Config
@@ -111,19 +111,27 @@ def load_config(config: str,
     return cfg
 
 
-def check_workload(cfg: Config) -> None:
+def check_workload(cfg: Config,
+                   blocks: Union[bool, str, None] = False) -> None:
     """Build the model and the dataset of ``cfg`` once and drop them, so
     that a bad override (``--cfg-options model.depth=abc``) is refused
     before any run instead of failing every run.
 
+    Args:
+        cfg (Config): The workload's config.
+        blocks (bool | str | None): ``False``: no blocks are checkpointed.
+            Else the ``--blocks`` glob (``None``: the model's default),
+            resolved on the model now.
+
     Raises:
-        MmdtrError: If either cannot be built.
+        MmdtrError: If either cannot be built, or the blocks match nothing.
     """
+    built = []
     for key, value, registry in (('model', cfg.model, MODELS),
                                  ('train_dataloader.dataset',
                                   cfg.train_dataloader.dataset, DATASETS)):
         try:
-            registry.build(value)
+            built.append(registry.build(value))
         except MmdtrError:
             raise
         except Exception as e:  # noqa: B902 - any build error, reported
@@ -131,6 +139,8 @@ def check_workload(cfg: Config) -> None:
                 f'{key} of the config cannot be built: '
                 f'{type(e).__name__}: {e}',
                 hint='check the config and its --cfg-options.') from None
+    if blocks is not False:
+        block_names(built[0], blocks)
 
 
 def block_names(model: nn.Module, pattern: Optional[str] = None) -> List[str]:

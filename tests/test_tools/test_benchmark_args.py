@@ -25,6 +25,12 @@ BAD_ARGUMENTS = [
     ('sweep --device cpu --thresholds 0', 'threshold of 0'),
     ('compare --device cpu --match 0B', 'threshold of 0'),
     (f'sweep --seed {2**64}', 'out of the range'),
+    # flags a command does not use were not read (an adversarial search)
+    ('sweep --capacity foo', '--capacity=.foo. is not a size'),
+    ('sweep --headroom foo', '--headroom=.foo. is not a size'),
+    ('sweep --match magic', 'neither a technique'),
+    ('largest-batch --capacity 1GB --start-batch 2000',
+     r'largest batch tried, 1024 \(--max-batch\)\.'),
 ]
 BAD_ARGUMENTS += [(f'sweep --fractions 0.5 {v}',
                    fr'--fractions {v} .* \(0, 1\]')
@@ -59,6 +65,14 @@ def test_cuda_device_without_cuda_fails(tool):
     args = tool.parse_args([RESNET, 'sweep', '--device', 'cuda'])
     with pytest.raises(MmdtrError, match='CUDA is not available'):
         tool.check_args(args)
+
+
+def test_empty_work_dir_is_refused_not_replaced(tool, tmp_path, monkeypatch):
+    # '' was replaced by the default work dir (an adversarial search)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MmdtrError, match="--work-dir '' is not"):
+        tool.main([RESNET, 'sweep', '--quick', '--work-dir', ''])
+    assert not (tmp_path / 'work_dirs').exists()
 
 
 def test_report_needs_results(tool, tmp_path):
@@ -101,6 +115,11 @@ BAD_INPUT = [
          'model of the config cannot be built: KeyError'),
     )
 ]
+# the alternatives' blocks: their runs failed after the baseline's
+BAD_INPUT += [(RESNET, ['--blocks', 'nomatch*'] + extra, None,
+               "--blocks: no sub-module .* matches 'nomatch\\*'", command)
+              for command, extra in (('compare', []), ('all',
+                                                       ['--capacity', '1GB']))]
 BAD_INPUT += [(RESNET, [], results, match, command) for results, match in (
     ('{"meta": {}, "sweep": ', 'cannot be read as JSON'),
     ('{"sweep": {"runs": []}}', 'sweep.settings is not an obj'),
