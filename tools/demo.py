@@ -126,13 +126,17 @@ def build_cfg(args):
     cfg = cfg_options.read_config(args.config)
     if args.cfg_options:
         cfg_options.merge_cfg_options(cfg, args.cfg_options)
-    train_cfg, max_iters = cfg.get('train_cfg'), None
+    train_cfg, max_iters, loop = cfg.get('train_cfg'), None, None
     if isinstance(train_cfg, dict):
         max_iters = train_cfg.get('max_iters')
-    if isinstance(max_iters, bool) or not isinstance(max_iters, int):
+        loop = str(train_cfg.get('type', 'IterBasedTrainLoop'))
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) \
+            or max_iters < 1 or loop.rsplit('.', 1)[-1] != \
+            'IterBasedTrainLoop':
         raise MmdtrError(
-            f'train_cfg={train_cfg!r} of {args.config} has no int '
-            'max_iters; the demo trains a number of iterations.',
+            f'train_cfg={train_cfg!r} of {args.config} is not an '
+            'IterBasedTrainLoop with a positive int max_iters; the demo '
+            'trains a number of iterations.',
             hint='use an iteration-based config, e.g. '
             "train_cfg = dict(type='IterBasedTrainLoop', max_iters=4).")
     if max_iters < PROFILED_ITER + 2:

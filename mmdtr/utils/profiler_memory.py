@@ -19,7 +19,10 @@ The profiler cannot be nested: do not call these helpers while another
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+
+from mmdtr.errors import MmdtrError
 
 #: Name of the profiler's allocation/free events.
 MEMORY_EVENT_NAME = '[memory]'
@@ -48,6 +51,19 @@ class MemoryMeasurement:
     deltas: List[int] = field(default_factory=list, repr=False)
 
 
+def _checked_device_type(device_type) -> str:
+    """``'cpu'`` or ``'cuda'`` (a ``torch.device`` of those types too);
+    anything else counted nothing, silently (an adversarial search)."""
+    if isinstance(device_type, torch.device):
+        device_type = device_type.type
+    if device_type not in ('cpu', 'cuda'):
+        raise MmdtrError(
+            f'device_type={device_type!r} is not accepted; accepted: '
+            "'cpu' or 'cuda' (the allocator whose events are counted).",
+            hint="e.g. measure_memory(step, device_type='cuda').")
+    return device_type
+
+
 def _device_matches(event, device_type: str) -> bool:
     kind = str(event.device_type()).rsplit('.', 1)[-1].lower()
     return kind == device_type
@@ -66,6 +82,7 @@ def memory_deltas(prof: profile, device_type: str = 'cpu') -> List[int]:
         list[int]: ``+n`` per allocation of ``n`` bytes, ``-n`` per free,
         sorted by timestamp (stable, so same-time events keep record order).
     """
+    device_type = _checked_device_type(device_type)
     events = [
         event for event in prof.profiler.kineto_results.events()
         if event.name() == MEMORY_EVENT_NAME
@@ -91,12 +108,22 @@ def measure_memory(fn: Callable,
     Returns:
         MemoryMeasurement: The result of ``fn`` and the byte counts.
 
+    Raises:
+        MmdtrError: If ``device_type`` is not ``'cpu'`` or ``'cuda'``, or
+            another profiler session is active.
+
     Examples:
         >>> m = measure_memory(torch.zeros, (1024, ))
         >>> m.peak_bytes, m.end_bytes
         (4096, 4096)
     """
     kwargs = kwargs or {}
+    device_type = _checked_device_type(device_type)
+    if torch.autograd._profiler_enabled():
+        raise MmdtrError(
+            'measure_memory runs its own torch.profiler session, and one is '
+            'active: the profiler cannot be nested.',
+            hint='measure outside the other profiler session.')
     with profile(
             activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn(*args, **kwargs)

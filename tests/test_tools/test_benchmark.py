@@ -318,6 +318,11 @@ def test_markdown_marks_targets_from_the_slowdown():
     # fastest step over the baseline's fastest: (0.6 + 0.1) / 0.5
     assert '| 1.40x |' in rows['dtr@0.5']
     assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
+    # nothing evictable left at times: not judged (a --quick run read
+    # 'met' with 15 failures and the baseline's peak; an adversarial search)
+    runs[3]['eviction_failures'] = 15.0
+    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
+    assert '<= 1.35x: - (threshold not held)' in table
 
 
 def test_per_op_line_splits_the_floor_from_the_engine():

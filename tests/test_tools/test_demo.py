@@ -11,17 +11,25 @@ TOOL = osp.join(REPO, 'tools', 'demo.py')
 RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
 
 
-@pytest.mark.parametrize('argv, match', [
-    (['/nonexistent.py'], "config file '/nonexistent.py' does not exist"),
-    (['--cfg-options', 'dtr'], 'KEY=VALUE'),
-    (['--cfg-options', 'train_cfg.max_iters.x=1'], 'cannot be merged'),
-    (['--cfg-options', 'train_cfg.max_iters=None'], 'no int max_iters'),
-    (['--cfg-options', 'dtr.eviction_threshold=3XB'], "'3XB' is not a size"),
-    (['--cfg-options', 'dtr.evict=1'], 'dtr.evict is not a DTR setting'),
-    ([RESNET], 'none of the memory keys'),
-    (['--cfg-options', 'activation_checkpointing=bakbone'], "'bakbone'"),
-    (['--cfg-options', 'efficient_conv_bn_eval=[bakbone]'], "'bakbone'"),
-])
+@pytest.mark.parametrize(
+    'argv, match',
+    [
+        (['/nonexistent.py'], "config file '/nonexistent.py' does not exist"),
+        (['--cfg-options', 'dtr'], 'KEY=VALUE'),
+        (['--cfg-options', 'train_cfg.max_iters.x=1'], 'cannot be merged'),
+        (['--cfg-options', 'train_cfg.max_iters=None'], 'positive int max_i'),
+        # a traceback, and a silent 3 iterations (an adversarial search)
+        (['--cfg-options', 'train_cfg.type=EpochBasedTrainLoop'
+          ], 'is not an IterBasedTrainLoop'),
+        (['--cfg-options', 'train_cfg.max_iters=-5'
+          ], 'positive int max_iters'),
+        (['--cfg-options', 'dtr.eviction_threshold=3XB'
+          ], "'3XB' is not a size"),
+        (['--cfg-options', 'dtr.evict=1'], 'dtr.evict is not a DTR setting'),
+        ([RESNET], 'none of the memory keys'),
+        (['--cfg-options', 'activation_checkpointing=bakbone'], "'bakbone'"),
+        (['--cfg-options', 'efficient_conv_bn_eval=[bakbone]'], "'bakbone'"),
+    ])
 def test_bad_input_fails_before_training(demo, monkeypatch, capsys, argv,
                                          match):
     # a bad memory key (a module name too, checked on the model) was found

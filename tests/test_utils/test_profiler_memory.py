@@ -1,4 +1,5 @@
 """measure_peak_memory: exact peaks from the profiler's memory events."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -115,3 +116,19 @@ def test_other_device_type_ignores_cpu_events():
     measured = measure_memory(torch.empty, (100, ), device_type='cuda')
     assert measured.peak_bytes == 0
     assert measured.result.numel() == 100
+
+
+def test_bad_device_type_and_nested_profiler_are_refused():
+    # both counted nothing, silently (found by an adversarial search)
+    from torch.profiler import profile
+
+    from mmdtr.errors import MmdtrError
+    for device_type in ('CPU', 'gpu', 'cuda:0'):
+        with pytest.raises(MmdtrError, match='device_type=.* not accepted'):
+            measure_memory(torch.zeros, (1024, ), device_type=device_type)
+    assert measure_memory(
+        torch.zeros, (1024, ), device_type=torch.device('cpu')).peak_bytes \
+        == 4096
+    with profile():
+        with pytest.raises(MmdtrError, match='cannot be nested'):
+            measure_memory(torch.zeros, (1024, ))
