@@ -92,8 +92,9 @@ def parse_args(argv=None):
         '--fractions',
         type=float,
         nargs='+',
-        help='sweep thresholds as fractions of the peak; '
-        f'default {" ".join(map(str, DEFAULT_FRACTIONS))}')
+        help='sweep thresholds as fractions of the peak; default '
+        f'{" ".join(map(str, DEFAULT_FRACTIONS))} (--quick: '
+        f'{" ".join(map(str, QUICK["fractions"]))}), none with --thresholds')
     dtr.add_argument(
         '--thresholds',
         nargs='+',
@@ -239,9 +240,8 @@ def run_command(command: str,
     if command == 'sweep':
         fractions = args.fractions
         if fractions is None:
-            fractions = (
-                QUICK['fractions'] if args.quick else
-                () if args.thresholds else DEFAULT_FRACTIONS)
+            fractions = (() if args.thresholds else QUICK['fractions']
+                         if args.quick else DEFAULT_FRACTIONS)
         thresholds = [parse_size(t, '--thresholds') for t in args.thresholds]
         settings.update(
             policy=args.policy,

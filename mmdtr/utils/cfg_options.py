@@ -59,7 +59,8 @@ def read_config(path: str) -> Config:
     """
     if not osp.isfile(path):
         raise MmdtrError(
-            f'config file {path!r} does not exist.',
+            f'config file {path!r} '
+            f"{'is a directory' if osp.isdir(path) else 'does not exist'}.",
             hint='give the path of a config file, e.g. configs/demo_dtr.py.')
     if osp.splitext(path)[1] not in CONFIG_TYPES:
         raise MmdtrError(

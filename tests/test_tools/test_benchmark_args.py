@@ -144,6 +144,19 @@ def test_bad_input_fails_before_any_run(tool, tmp_path, canned, config, argv,
     assert not (tmp_path / 'benchmark.md').exists()
 
 
+def test_quick_sweep_with_thresholds_runs_no_fractions(
+        tool, tmp_path, canned):
+    # --quick's fractions ran too, against the help (an adversarial search)
+    launcher = canned()
+    tool.main([
+        RESNET, 'sweep', '--quick', '--thresholds', '10MB', '--work-dir',
+        str(tmp_path)
+    ] + QUIET)
+    dtr_runs = [name for name in launcher.calls if name.startswith('dtr')]
+    assert len(dtr_runs) == 2 and not any('@0.' in n for n in dtr_runs), \
+        launcher.calls
+
+
 def test_failed_runs_exit_non_zero(tool, tmp_path, canned):
     argv = [
         RESNET, 'all', '--capacity', '1GB', '--fractions', '0.5', '--work-dir',
