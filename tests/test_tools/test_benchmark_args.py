@@ -144,8 +144,7 @@ def test_bad_input_fails_before_any_run(tool, tmp_path, canned, config, argv,
     assert not (tmp_path / 'benchmark.md').exists()
 
 
-def test_quick_sweep_with_thresholds_runs_no_fractions(
-        tool, tmp_path, canned):
+def test_quick_sweep_with_thresholds_runs_no_fractions(tool, tmp_path, canned):
     # --quick's fractions ran too, against the help (an adversarial search)
     launcher = canned()
     tool.main([
