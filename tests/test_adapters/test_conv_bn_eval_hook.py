@@ -170,12 +170,19 @@ def test_bad_checkpointing_name_leaves_the_model_unfused(make_cfg, tmp_path):
         tmp_path,
         efficient_conv_bn_eval=['backbone'],
         activation_checkpointing=['backbone.layerX'])
-    runner = Runner.from_cfg(translate_memory_keys(cfg))
+    _assert_refused_unchanged(
+        Runner.from_cfg(translate_memory_keys(cfg)),
+        "matches 'backbone.layerX'")
+
+
+def _assert_refused_unchanged(runner, match):
+    """``runner.train()`` raises ``MmdtrError`` matching ``match``, with
+    no module's forward replaced."""
     forwards = {
         name: type(module).forward
         for name, module in runner.model.named_modules()
     }
-    with pytest.raises(MmdtrError, match="matches 'backbone.layerX'"):
+    with pytest.raises(MmdtrError, match=match):
         runner.train()
     assert forwards == {
         name: type(module).forward
@@ -212,16 +219,4 @@ def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
         custom_hooks=[
             dict(type='mmdtr.EfficientConvBnEvalHook', modules=['backbone'])
         ])
-    runner = Runner.from_cfg(cfg)
-    forwards = {
-        name: type(module).forward
-        for name, module in runner.model.named_modules()
-    }
-    with pytest.raises(MmdtrError, match='configured twice'):
-        runner.train()
-    assert forwards == {
-        name: type(module).forward
-        for name, module in runner.model.named_modules()
-    }
-    assert not any('forward' in vars(module)
-                   for module in runner.model.modules())
+    _assert_refused_unchanged(Runner.from_cfg(cfg), 'configured twice')
