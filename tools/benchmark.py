@@ -336,9 +336,11 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.cfg_options, args.image_size,
                       args.seq_len)
     suite = build_suite(args, cfg, work_dir)
-    # the alternatives checkpoint blocks: the glob is resolved now
+    # the alternatives checkpoint blocks: the glob is resolved now (a glob
+    # given to another command too, so that a typo is never ignored)
     check_workload(
-        cfg, args.blocks if args.command in ('compare', 'all') else False)
+        cfg, args.blocks if args.command in ('compare', 'all')
+        or args.blocks is not None else False)
     commands = (('sweep', 'compare',
                  'largest-batch') if args.command == 'all' else
                 (args.command, ))

@@ -129,7 +129,10 @@ def build_cfg(args):
     train_cfg, max_iters, loop = cfg.get('train_cfg'), None, None
     if isinstance(train_cfg, dict):
         max_iters = train_cfg.get('max_iters')
-        loop = str(train_cfg.get('type', 'IterBasedTrainLoop'))
+        loop = str(  # MMEngine's default loop follows by_epoch
+            train_cfg.get(
+                'type', 'EpochBasedTrainLoop'
+                if train_cfg.get('by_epoch') else 'IterBasedTrainLoop'))
     if isinstance(max_iters, bool) or not isinstance(max_iters, int) \
             or max_iters < 1 or loop.rsplit('.', 1)[-1] != \
             'IterBasedTrainLoop':

@@ -149,10 +149,12 @@ def _target(record: dict, slowdown: Optional[float]) -> str:
         return ''
     if slowdown is None:
         return f'<= {TARGETS[key]}x: -'
-    if key is not None and record.get('eviction_failures'):
-        # nothing evictable was left: the run did not keep to the threshold
-        return f'<= {TARGETS[key]}x: - (threshold not held)'
     met = 'met' if slowdown <= TARGETS[key] else 'missed'
+    if met == 'met' and key is not None and record.get('eviction_failures'):
+        # nothing evictable was left at times: the run did not keep to the
+        # threshold, so its time says nothing of one that did (a slow one
+        # has missed whatever held it)
+        return f'<= {TARGETS[key]}x: - (threshold not held)'
     return f'<= {TARGETS[key]}x: {met}'
 
 

@@ -13,8 +13,10 @@ bytes allocated during the call and still live. The result is exact in
 bytes for the CPU allocator (which reports requested sizes) and independent
 of any meter under test.
 
-The profiler cannot be nested: do not call these helpers while another
-``torch.profiler`` session is active.
+The profiler cannot be nested: :func:`measure_memory` refuses to run while
+another ``torch.profiler`` session is active on its thread (a nested session
+empties the outer one's events). A session in another thread is not seen
+(PyTorch crashes on that): do not measure while one runs.
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple

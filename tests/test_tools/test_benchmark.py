@@ -321,8 +321,10 @@ def test_markdown_marks_targets_from_the_slowdown():
     # nothing evictable left at times: not judged (a --quick run read
     # 'met' with 15 failures and the baseline's peak; an adversarial search)
     runs[3]['eviction_failures'] = 15.0
+    runs[2]['eviction_failures'] = 6.0  # too slow whatever held it
     table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
     assert '<= 1.35x: - (threshold not held)' in table
+    assert '<= 1.15x: missed' in table
 
 
 def test_per_op_line_splits_the_floor_from_the_engine():

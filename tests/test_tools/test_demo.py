@@ -49,6 +49,21 @@ def test_bad_input_fails_before_training(demo, monkeypatch, capsys, argv,
     assert match in err
 
 
+def test_epoch_based_loop_without_a_type_is_refused(demo, monkeypatch, capsys,
+                                                    tmp_path):
+    # MMEngine builds an EpochBasedTrainLoop from by_epoch=True, which
+    # failed on max_iters in a traceback (found by a review)
+    config = tmp_path / 'by_epoch.py'
+    config.write_text(f"_base_ = ['{REPO}/configs/demo_dtr.py']\n"
+                      'train_cfg = dict(_delete_=True, by_epoch=True, '
+                      'max_iters=4)\n')
+    monkeypatch.setattr(demo, 'train', None)  # never reached
+    monkeypatch.setattr(sys, 'argv', [TOOL, str(config)])
+    with pytest.raises(SystemExit):
+        demo.main()
+    assert 'is not an IterBasedTrainLoop' in capsys.readouterr().err
+
+
 def test_missing_config_is_one_line_without_traceback(tmp_path):
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')])

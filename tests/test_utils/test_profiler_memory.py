@@ -119,7 +119,8 @@ def test_other_device_type_ignores_cpu_events():
 
 
 def test_bad_device_type_and_nested_profiler_are_refused():
-    # both counted nothing, silently (found by an adversarial search)
+    # a bad device type counted nothing, silently, and a nested session
+    # emptied the outer one's events (found by an adversarial search)
     from torch.profiler import profile
 
     from mmdtr.errors import MmdtrError
