@@ -211,6 +211,18 @@ class DTR:
                 self._collector()
         return False
 
+    def __reduce_ex__(self, protocol):
+        """Copies and pickles (``copy``, ``deepcopy``, ``pickle``) of an
+        inactive engine only: an active one's state, mode and hooks belong
+        to its scope (a shallow copy closed it twice)."""
+        if self._state is not None:
+            raise MmdtrError(
+                'an active DTR engine cannot be copied or pickled: its state '
+                'belongs to its scope.',
+                'copy it before or after the scope, or keep engine.stats (a '
+                'frozen dataclass).')
+        return super().__reduce_ex__(protocol)
+
     @property
     def active(self) -> bool:
         """Whether the engine is entered and not yet exited."""

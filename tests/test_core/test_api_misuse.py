@@ -371,3 +371,20 @@ def test_bad_arguments_raise_clear_errors(kwargs, match):
         DTR(device='cpu', **kwargs)
     assert str(info.value).startswith('mmdtr: ')
     assert 'Hint:' in str(info.value)
+
+
+def test_active_engine_is_not_copied_or_pickled():
+    # a shallow copy shared the state and closed it twice; deepcopy and
+    # pickle raised a raw TypeError (found by an adversarial search)
+    import copy
+    import pickle
+    engine = DTR(eviction_threshold='1GB')
+    with engine:
+        for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(MmdtrError, match='active DTR engine cannot'):
+                copier(engine)
+        torch.randn(4).sum()
+    again = copy.deepcopy(engine)  # inactive: a fresh engine to enter
+    with again:
+        torch.randn(4).sum()
+    assert pickle.loads(pickle.dumps(engine.stats)) == engine.stats
