@@ -195,8 +195,7 @@ def _custom_hooks(value, default_scope) -> list:
                 hint="e.g. dict(type='mmdtr.DTRHook', "
                 "eviction_threshold='5GB').")
         _check_hook_type(i, hook['type'])
-        check_scoped_type(f'custom_hooks[{i}]', hook['type'], HOOKS,
-                          hook.get('_scope_', None) or default_scope)
+        check_scoped_type(f'custom_hooks[{i}]', hook, HOOKS, default_scope)
         if 'priority' in hook:
             try:
                 get_priority(hook['priority'])
@@ -225,7 +224,8 @@ def _check_hook_type(i: int, name) -> None:
             (f'; closest match: {close[0]!r}.' if close else '.'))
 
 
-def check_scoped_type(where: str, name, registry, scope) -> None:
+def check_scoped_type(where: str, entry: dict, registry,
+                      default_scope) -> None:
     """Refuse a type name without a scope that only mmdtr registers when
     the config's scope is not mmdtr's.
 
@@ -236,14 +236,16 @@ def check_scoped_type(where: str, name, registry, scope) -> None:
 
     Args:
         where (str): The config key, for the message.
-        name: The ``type`` given (a class or a scoped name passes).
+        entry (dict): The config that names a ``type`` (a class or a scoped
+            name passes); its ``_scope_``, if any, is the scope looked in.
         registry (Registry): mmdtr's registry of that kind.
-        scope (str | None): ``_scope_`` of the entry, else the config's
-            ``default_scope``.
+        default_scope (str | None): The config's ``default_scope``.
 
     Raises:
-        MmdtrError: If ``name`` resolves only in ``registry``.
+        MmdtrError: If the type resolves only in ``registry``.
     """
+    name = entry.get('type', None)
+    scope = entry.get('_scope_', None) or default_scope
     if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
         return
     if name in registry.module_dict and name not in \

@@ -88,9 +88,8 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
     hooks = [h for h in custom_hooks if hook_name(h) == 'DTRHook']
     wrapper = cfg.get('model_wrapper_cfg', None)
     if isinstance(wrapper, dict):
-        check_scoped_type(
-            'model_wrapper_cfg', wrapper.get('type', None), MODEL_WRAPPERS,
-            wrapper.get('_scope_', None) or cfg.get('default_scope', None))
+        check_scoped_type('model_wrapper_cfg', wrapper, MODEL_WRAPPERS,
+                          cfg.get('default_scope', None))
     by_wrapper = wrapper.get('dtr', None) if isinstance(wrapper,
                                                         dict) else None
     compiled = cfg.get('compile', None)

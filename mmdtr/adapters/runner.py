@@ -136,9 +136,8 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
     for wrapper in _wrapper_cfgs(optim_wrapper):
-        check_scoped_type('optim_wrapper', wrapper.get('type', None),
-                          OPTIM_WRAPPERS,
-                          wrapper.get('_scope_', None) or default_scope)
+        check_scoped_type('optim_wrapper', wrapper, OPTIM_WRAPPERS,
+                          default_scope)
         built_by_default = default and _default_constructor(wrapper)
         if built_by_default:
             _check_optimizer_key(wrapper)

@@ -140,9 +140,7 @@ class Accounting:
             if _use_count(cdata) != 2 or cdata in self.records \
                     or cdata in self.transients:
                 continue  # not a new storage of this op's own
-            self.transients[cdata] = self._count(storage, cdata,
-                                                 storage.nbytes(),
-                                                 self._on_transient_free)
+            self._count_transient(storage, cdata)
 
     def _meter_rng_state(self, rng):
         """Count the generator state a random op's recipe holds for its
@@ -152,11 +150,13 @@ class Accounting:
         if self.cuda:
             return
         storage = rng[1].untyped_storage()
-        cdata = storage._cdata
-        if cdata not in self.transients:
-            self.transients[cdata] = self._count(storage, cdata,
-                                                 storage.nbytes(),
-                                                 self._on_transient_free)
+        if storage._cdata not in self.transients:
+            self._count_transient(storage, storage._cdata)
+
+    def _count_transient(self, storage, cdata):
+        """Count ``storage``, which has no record, until it is freed."""
+        self.transients[cdata] = self._count(storage, cdata, storage.nbytes(),
+                                             self._on_transient_free)
 
     def _on_transient_free(self, wref):
         with self.lock:  # any thread may free it (R12)
