@@ -147,7 +147,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     context_fn = functools.partial(_context_fn, norms, policy,
                                    forward_contexts,
                                    type(self).__name__)
-    inputs = [(t, t._version) for t in (*args, *kwargs.values())
+    # tensors inside lists, tuples and dicts too (a neck's feature list)
+    inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
               if isinstance(t, torch.Tensor) and not t.is_inference()]
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is

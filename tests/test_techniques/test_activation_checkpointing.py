@@ -280,6 +280,39 @@ def test_errors_and_nothing_half_applied():
     assert normalize_policy('recompute_all') is None
 
 
+class _WritesAContainedInput(nn.Module):
+    """An FPN-style neck: takes a list (or a dict) of features and writes
+    one in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, feats):
+        f = feats[0] if isinstance(feats, list) else feats['x']
+        return self.linear(f.mul_(2)).tanh()
+
+
+@pytest.mark.parametrize('container', [list, dict])
+def test_module_writing_an_input_inside_a_container_is_refused(container):
+    # found by an adversarial search: only top-level tensor arguments were
+    # checked, so the gradients silently differed from the plain run
+    class Net(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.stem, self.neck = nn.Linear(8, 8), _WritesAContainedInput()
+
+        def forward(self, x):
+            f = self.stem(x)
+            return self.neck([f] if container is list else dict(x=f)).sum()
+
+    model = Net()
+    apply_activation_checkpointing(model, 'neck')
+    with pytest.raises(MmdtrError, match='writes its input in place'):
+        model(torch.randn(4, 8))
+
+
 class _WritesItsInput(nn.Module):
 
     def forward(self, x):
