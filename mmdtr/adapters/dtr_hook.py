@@ -64,6 +64,13 @@ def translate_dtr(value) -> dict:
     return dict(type='mmdtr.DTRHook', **dtr_settings(value, KEY))
 
 
+def _compile_refused(compiled) -> MmdtrError:
+    return MmdtrError(
+        f'compile={compiled!r} and DTR cannot be combined: the compiled '
+        "train_step would trace through DTR's dispatch mode.",
+        hint=f'drop compile (compile={None}) or DTR.')
+
+
 @config_check
 def check_dtr_combinations(cfg, custom_hooks: list) -> None:
     """Refuse, before the runner is built, what cannot run with DTR.
@@ -94,10 +101,7 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
                                                         dict) else None
     compiled = cfg.get('compile', None)
     if compiled not in (None, False) and (hooks or by_wrapper is not None):
-        raise MmdtrError(
-            f'compile={compiled!r} and DTR cannot be combined: the compiled '
-            "train_step would trace through DTR's dispatch mode.",
-            hint=f'drop compile (compile={None}) or DTR.')
+        raise _compile_refused(compiled)
     if by_wrapper is None:
         return
     if hooks:
@@ -179,6 +183,12 @@ class DTRHook(Hook):
         loop = getattr(runner, '_train_loop', None)
         if not isinstance(loop, BaseLoop) or 'run' in vars(loop):
             return  # not training (val, test), or already done
+        # MMDTRRunner refused it with the config; a stock Runner compiles
+        # train_step after before_run, and the second iteration failed
+        # inside PyTorch
+        compiled = runner.cfg.get('compile', None)
+        if compiled not in (None, False):
+            raise _compile_refused(compiled)
 
         def run_then_detach(*args, **kwargs):
             try:

@@ -432,3 +432,19 @@ def test_custom_hooks_route(tmp_path, make_cfg):
             "'enable_sqrt_sampling': False, 'policy': 'dtr'}, in "
             'DTRHookToyNet.train_step (by DTRHook)') in text
     assert 'dtr_evictions: ' in text
+
+
+def test_stock_runner_refuses_dtr_hook_with_compile(tmp_path, make_cfg):
+    # MMDTRRunner refuses the pair with the config; MMEngine's own Runner
+    # compiled train_step after before_run and failed inside PyTorch on the
+    # second iteration (found by an adversarial search)
+    from mmengine.runner import Runner
+    cfg = make_cfg(
+        tmp_path,
+        custom_hooks=[dict(type='mmdtr.DTRHook', **DTR_CFG)],
+        compile=dict(backend='aot_eager'))
+    runner = Runner.from_cfg(cfg)
+    with pytest.raises(MmdtrError, match='compile=.*cannot be combined'):
+        runner.train()
+    assert 'train_step' not in vars(runner.model)
+    assert_thread_clean()
