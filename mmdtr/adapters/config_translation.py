@@ -194,8 +194,8 @@ def _custom_hooks(value, default_scope) -> list:
                 'is a dict with a type (or a Hook object).',
                 hint="e.g. dict(type='mmdtr.DTRHook', "
                 "eviction_threshold='5GB').")
-        _check_hook_type(i, hook['type'])
         check_scoped_type(f'custom_hooks[{i}]', hook, HOOKS, default_scope)
+        _check_hook_type(i, hook['type'])
         if 'priority' in hook:
             try:
                 get_priority(hook['priority'])
@@ -245,6 +245,8 @@ def check_scoped_type(where: str, entry: dict, registry,
         MmdtrError: If the type resolves only in ``registry``.
     """
     name = entry.get('type', None)
+    if 'type' in entry:
+        _check_type_value(where, name)
     scope = entry.get('_scope_', None) or default_scope
     if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
         return
@@ -259,6 +261,23 @@ def check_scoped_type(where: str, entry: dict, registry,
             'it there.',
             hint=f"write type='mmdtr.{name}' (or set default_scope="
             "'mmdtr').")
+
+
+def _check_type_value(where: str, name) -> None:
+    """Refuse a ``type`` MMEngine's registries cannot look up: not a class
+    or function, nor a name (``'DTRHook'``, ``'mmdtr.DTRHook'``). They
+    raised a raw TypeError or RuntimeError in the checks (found by an
+    adversarial search)."""
+    if isinstance(name, str):
+        if name and all(part.isidentifier() for part in name.split('.')):
+            return
+    elif inspect.isclass(name) or inspect.isfunction(name) or \
+            inspect.ismethod(name):
+        return
+    raise MmdtrError(
+        f'{where}: type={name!r} is not accepted: a registered name, '
+        "optionally with its scope ('DTRHook', 'mmdtr.DTRHook'), or a class.",
+        hint="e.g. type='mmdtr.DTRHook' or type='OptimWrapper'.")
 
 
 def _scope_registry(registry, scope):

@@ -162,11 +162,17 @@ SGD = dict(type='SGD', lr=0.1)
          r'optim_wrapper.optimizer=\[1\] is not accepted'),
         (dict(type='mmdtr.InplaceOptimWrapper', optimizer=[1]),
          r'optim_wrapper.optimizer=\[1\] is not accepted'),
+        # raw TypeErrors and RuntimeErrors of MMEngine's registry in the
+        # checks (found by an adversarial search)
+        (dict(type=None, optimizer=SGD),
+         'optim_wrapper: type=None is not accepted: a registered name'),
+        (dict(type='', optimizer=SGD), "optim_wrapper: type='' is not"),
+        (dict(type=1, optimizer=SGD), 'optim_wrapper: type=1 is not'),
     ],
     ids=[
         'key_typo', 'amp_key_typo', 'type_typo', 'a_string', 'in_a_dict',
         'clip_grad_not_a_dict', 'clip_grad_type', 'optimizer_a_list',
-        'inplace_optimizer_a_list'
+        'inplace_optimizer_a_list', 'type_none', 'type_empty', 'type_int'
     ])
 def test_bad_wrapper_configs_fail_at_translation(optim_wrapper, match):
     # MMEngine failed on each in runner.train(), in a traceback (found by
