@@ -98,7 +98,9 @@ def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
     return forward(*args, **dict(zip(keys, values)))
 
 
-def _inner_forward(module: nn.Module) -> Callable:
+def inner_forward(module: nn.Module) -> Callable:
+    """The forward a checkpoint of ``module`` runs, or, unwrapped, the
+    one of its class (not one set on the instance)."""
     return (module.__dict__.get(_ORIG_FORWARD)
             or type(module).forward.__get__(module))
 
@@ -134,7 +136,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     names are kept aside), so they cannot clash with checkpoint's own
     options and their tensors count for RNG-state preservation.
     """
-    inner = _inner_forward(self)
+    inner = inner_forward(self)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     keys = tuple(kwargs)
@@ -221,7 +223,8 @@ def _traced_graph(module: nn.Module) -> Optional[torch.fx.Graph]:
     """The graph of ``module``'s forward if a torch.fx trace replaced it."""
     forward = module.__dict__.get(_ORIG_FORWARD,
                                   module.__dict__.get('forward'))
-    owner = getattr(forward, '__self__', None)
+    owner = getattr(forward, 'graph_module', None)  # a guarded trace
+    owner = owner or getattr(forward, '__self__', None)
     return owner.graph if isinstance(owner, torch.fx.GraphModule) else None
 
 

@@ -38,6 +38,7 @@ which the fused form would skip.
 import contextlib
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -46,8 +47,10 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from .activation_checkpointing import replace_forward
+from .activation_checkpointing import (inner_forward, is_checkpointed,
+                                       replace_forward)
 from .module_selection import outermost, resolve_modules
+from .traced_forward import GuardedForward, TraceRefused, watched_trace
 
 #: ``fused(bn, conv, x) -> Tensor``: ``bn(conv(x))`` in the fused form.
 FusedForward = Callable[[_BatchNorm, _ConvNd, torch.Tensor], torch.Tensor]
@@ -143,7 +146,8 @@ def _runs_as_torch(module: nn.Module) -> bool:
     forward = type(module).forward
     return ((forward.__module__.startswith('torch.nn.') or
              (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
-            and not (module._forward_hooks or module._forward_pre_hooks))
+            and not (module._forward_hooks or module._forward_pre_hooks)
+            and 'forward' not in vars(module))  # checkpointed, or wrapped
 
 
 def fusable_conv(module: Optional[nn.Module]) -> bool:
@@ -217,9 +221,10 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
     self.training)``, which the hook, applied in one mode, would fix), and
     whether the forward switches grad mode or autocast (seen in the first
     trace, run as called, or the second, run under ``no_grad`` and CPU
-    autocast, so that a block switching either on or off is seen)."""
+    autocast, so that a block switching either on or off is seen), and the
+    module's plain attributes its code read (:func:`.watched_trace`)."""
     flags = [(m, m.training) for m in module.modules()]
-    codes, switches = [], False
+    codes, switches, reads = [], False, {}
     try:
         for mode in (True, False):
             for m, _ in flags:
@@ -230,7 +235,9 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
                     stack.enter_context(torch.no_grad())
                     stack.enter_context(
                         torch.autocast('cpu', dtype=torch.bfloat16))
-                graph = tracer.trace(module)
+                graph, read = watched_trace(module,
+                                            partial(tracer.trace, module))
+            reads.update(read)
             switches |= tracer.switches_modes
             codes.append(graph.python_code('self').src)
             if mode:
@@ -238,13 +245,23 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
     finally:
         for m, training in flags:
             m.training = training
-    return first, codes[0] != codes[1], switches
+    return first, codes[0] != codes[1], switches, reads
 
 
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
                     result: ConvBnEvalResult) -> None:
+    if 'forward' in vars(module) and not is_checkpointed(module):
+        # found by an adversarial search: MMEngine's checkpointing was lost
+        result.failures.append(
+            (name, "its forward is replaced on the module (by MMEngine's "
+             'activation checkpointing or another wrapper), which a trace of '
+             "its class's forward would drop"))
+        return
     try:
-        graph, mode_dependent, switches = _trace_in_both_modes(module)
+        graph, mode_dependent, switches, reads = _trace_in_both_modes(module)
+    except TraceRefused as exc:
+        result.failures.append((name, str(exc)))
+        return
     except Exception as exc:  # any trace failure: report it, go on
         first_line = (str(exc).strip().splitlines() or [''])[0]
         result.failures.append(
@@ -263,10 +280,18 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
         return
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
     count = fuse_conv_bn_pairs(gm, fused)
-    if count:
-        replace_forward(module, gm.forward)
-        result.fused_pairs += count
-        result.traced.append(name)
+    if not count:
+        return
+    try:  # the trace runs only while what it read holds (found by an
+        # adversarial search: a supernet's choice, identity=None, baked in)
+        forward = GuardedForward(module, gm.forward, inner_forward(module),
+                                 reads)
+    except TraceRefused as exc:
+        result.failures.append((name, str(exc)))
+        return
+    replace_forward(module, forward)
+    result.fused_pairs += count
+    result.traced.append(name)
 
 
 def _fuse_subtree(module: nn.Module, name: str, fused: FusedForward,

@@ -138,7 +138,8 @@ SGD = dict(type='SGD', lr=0.1)
 
 
 @pytest.mark.parametrize(
-    'optim_wrapper, match', [
+    'optim_wrapper, match',
+    [
         (dict(optimizer=SGD, accumulative_count=4),
          r'optim_wrapper.accumulative_count=4 is not accepted: not an '
          r'argument of OptimWrapper.*rename accumulative_count to '

@@ -209,8 +209,9 @@ WRAPPER = dict(
         'key_and_wrapper', 'wrapper_alone', 'upper_case', 'suffix',
         'checkpoint_typo', 'conv_bn_typo', 'hooks_a_dict', 'hooks_a_string',
         'hook_a_string', 'hook_without_type', 'hook_type_typo',
-        'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative', 'hook_priority_name', 'hook_priority_range',
-        'wrapper_bad_size', 'wrapper_sub_key_typo'
+        'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
+        'hook_priority_name', 'hook_priority_range', 'wrapper_bad_size',
+        'wrapper_sub_key_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):

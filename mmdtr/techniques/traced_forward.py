@@ -1,0 +1,181 @@
+"""A torch.fx trace of one module's forward, used only while it still holds.
+
+A trace runs the module's own Python once, with proxies for its arguments,
+and keeps the ops: whatever the code read of the module's plain attributes
+(``self.active`` of a supernet's choice block, ``self.norm1_name``) is baked
+in, an argument left at its default (``identity=None``) was taken for a
+tensor, and attribute writes (``self.feat = ...``) are lost. This module
+records what the trace read and wrote, refuses a forward that writes, and
+installs a forward that runs the trace only while every attribute read
+still holds the value the trace saw and every argument is passed as a
+tensor, and the module's own forward otherwise.
+
+Not seen: module-level globals the code reads, and ``isinstance`` checks of
+an argument (a proxy is not a tensor).
+"""
+import copy
+import enum
+import inspect
+import types
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+#: Attributes every module has: its parameters, buffers, children and
+#: hooks live in them, and ``training`` is traced in both modes instead.
+_MODULE_OWN = frozenset(vars(nn.Module())) | {'forward'}
+
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
+              torch.device, enum.Enum, range, slice)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+class TraceRefused(Exception):
+    """The module's forward cannot be replaced by a trace; the message says
+    why."""
+
+
+def _plain_data(value, depth=0) -> bool:
+    """Whether ``value`` is made of immutable scalars and containers only,
+    so that a deep copy compares equal exactly while it is unchanged."""
+    if isinstance(value, _IMMUTABLE):
+        return True
+    if depth < 4 and isinstance(value, _CONTAINERS):
+        items = value.items() if isinstance(value, dict) else \
+            ((v, None) for v in value)
+        return all(
+            _plain_data(k, depth + 1) and _plain_data(v, depth + 1)
+            for k, v in items)
+    return False
+
+
+class _Guard:
+    """One attribute the trace read, and how to tell it still holds:
+    equality with a copy (plain data), identity (tensors, functions)."""
+    __slots__ = ('name', 'value', 'by_identity')
+
+    def __init__(self, name: str, value):
+        if _plain_data(value):
+            self.value, self.by_identity = copy.deepcopy(value), False
+        elif isinstance(value, (torch.Tensor, ) + _CALLABLES):
+            self.value, self.by_identity = value, True
+        else:
+            raise TraceRefused(
+                f'its own forward reads self.{name}, a '
+                f'{type(value).__name__}, whose later changes a trace '
+                'would not see')
+        self.name = name
+
+    def holds(self, attributes: dict) -> bool:
+        missing = object()
+        now = attributes.get(self.name, missing)
+        if self.by_identity:
+            return now is self.value
+        return now is not missing and type(now) is type(self.value) and \
+            now == self.value
+
+
+def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
+                  ) -> Tuple[fx.Graph, Dict[str, object]]:
+    """Run ``trace()`` while recording the plain attributes of ``module``
+    its code reads; refuse a write to any attribute of it.
+
+    Returns:
+        tuple: The graph, and ``{name: value}`` of the attributes read.
+
+    Raises:
+        TraceRefused: If the forward writes an attribute of the module.
+    """
+    reads, writes = {}, []
+    cls = type(module)
+
+    def read(self, name):
+        value = object.__getattribute__(self, name)
+        if self is module and name not in _MODULE_OWN and \
+                not name.startswith('__') and \
+                name in object.__getattribute__(self, '__dict__'):
+            reads.setdefault(name, value)
+        return value
+
+    def write(self, name, value):
+        if self is not module:
+            cls.__setattr__(self, name, value)
+        else:  # not made: the module keeps its state, and is refused
+            writes.append(name)
+
+    watcher = type(
+        cls.__name__, (cls, ), {
+            '__getattribute__': read,
+            '__setattr__': write,
+            '__module__': cls.__module__
+        })
+    try:
+        module.__class__ = watcher
+    except TypeError as exc:  # __slots__ and the like
+        raise TraceRefused(f'its class cannot be watched ({exc})') from None
+    try:
+        graph = trace()
+    except Exception:
+        if not writes:
+            raise
+    finally:
+        object.__setattr__(module, '__class__', cls)
+    if writes:  # the trace may have failed on the write it did not make
+        raise TraceRefused(
+            f'its own forward sets self.{writes[0]}, which a trace would '
+            'not do')
+    return graph, reads
+
+
+class GuardedForward:
+    """A forward for ``module`` that calls ``traced`` while the attributes
+    ``reads`` (from :func:`watched_trace`) hold and every parameter of the
+    module's forward is passed a tensor, and ``fallback`` otherwise.
+
+    An object, not a closure: a deep copy of the module (``copy.deepcopy``,
+    EMA models) copies it along and runs the copy's trace and forward.
+
+    Args:
+        module (nn.Module): The module.
+        traced (Callable): The trace's forward (a ``GraphModule``'s).
+        fallback (Callable): The module's own forward.
+        reads (dict): The attributes the trace read.
+
+    Raises:
+        TraceRefused: If an attribute read cannot be checked later.
+    """
+
+    def __init__(self, module: nn.Module, traced: Callable, fallback: Callable,
+                 reads: Dict[str, object]):
+        self.module, self.traced, self.fallback = module, traced, fallback
+        self.guards = [_Guard(name, value) for name, value in reads.items()]
+        params = list(
+            inspect.signature(type(module).forward).parameters.values())[1:]
+        self.fixed = [
+            p.name for p in params
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.traced.__self__
+
+    def __call__(self, *args, **kwargs):
+        attributes = self.module.__dict__
+        if all(g.holds(attributes) for g in self.guards) and \
+                _all_tensors_passed(self.fixed, args, kwargs):
+            return self.traced(*args, **kwargs)
+        return self.fallback(*args, **kwargs)
+
+
+def _all_tensors_passed(fixed: List[str], args: tuple, kwargs: dict) -> bool:
+    """Whether each named parameter got an argument and every argument is a
+    tensor: the trace took each for one."""
+    if len(args) + len(kwargs) < len(fixed) or not all(
+            name in kwargs for name in fixed[len(args):]):
+        return False
+    return all(isinstance(a, torch.Tensor) for a in args) and all(
+        isinstance(v, torch.Tensor) for v in kwargs.values())

@@ -1,0 +1,167 @@
+"""A Conv-BN trace runs only while what it read holds (found by an
+adversarial search: the trace baked in a supernet's choice, took a default
+``identity=None`` for a tensor, and lost the forward's attribute writes)."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from mmengine.model.efficient_conv_bn_eval import \
+    efficient_conv_bn_eval_control as fused
+from torch.utils.checkpoint import checkpoint
+
+from mmdtr.techniques.activation_checkpointing import \
+    apply_activation_checkpointing
+from mmdtr.techniques.efficient_conv_bn_eval import \
+    apply_efficient_conv_bn_eval
+from mmdtr.techniques.traced_forward import GuardedForward
+
+
+class OptionalIdentity(nn.Module):
+    """mmdet-style: ``identity`` defaults to the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x, identity=None):
+        if identity is None:
+            identity = x
+        return self.bn(self.conv(x)) + identity
+
+
+class Choice(nn.Module):
+    """A supernet's choice block: the path is a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleDict(
+            dict(a=nn.Conv2d(4, 4, 3, padding=1), b=nn.Conv2d(4, 4, 1)))
+        self.bn, self.active = nn.BatchNorm2d(4), 'a'
+
+    def forward(self, x):
+        return self.bn(self.convs[self.active](x))
+
+
+class Caches(nn.Module):
+    """Counts its calls and keeps a feature for another loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.feat = self.conv(x).mean()
+        return self.bn(self.conv(x))
+
+
+class ReadsAnObject(nn.Module):
+    """Reads an attribute of an arbitrary object: its state is unseen."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.settings = type('Settings', (), {'scale': 2.0})()
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * self.settings.scale
+
+
+def _fuse(module):
+    root = nn.Sequential(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        (result, ) = apply_efficient_conv_bn_eval(root, '0', fused)
+    return result, [str(w.message) for w in caught]
+
+
+def _pair(cls):
+    torch.manual_seed(0)
+    plain = cls().train()
+    model = copy.deepcopy(plain)
+    return plain, model
+
+
+def test_default_argument_runs_the_modules_own_forward():
+    plain, model = _pair(OptionalIdentity)
+    result, _ = _fuse(model)
+    assert result.fused_pairs == 1
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))  # was a TypeError
+    assert torch.equal(plain(x, x * 2), model(x, x * 2))  # the trace
+    assert isinstance(model.__dict__['forward'], GuardedForward)
+
+
+def test_a_changed_attribute_runs_the_modules_own_forward():
+    plain, model = _pair(Choice)
+    _fuse(model)
+    (guard, ) = model.forward.guards
+    assert guard.name == 'active'
+    x = torch.randn(2, 4, 5, 5)
+    for active in ('b', 'a', 'b'):
+        plain.active = model.active = active
+        assert torch.equal(plain(x), model(x)), active  # 'b' differed
+
+
+def test_forward_writing_an_attribute_is_left_unfused():
+    _, model = _pair(Caches)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0
+    assert 'sets self.calls' in messages[0]
+    assert model.calls == 0 and 'feat' not in vars(model)  # unchanged
+    model(torch.randn(2, 4, 5, 5))
+    assert model.calls == 1 and isinstance(model.feat, torch.Tensor)
+
+
+def test_attribute_of_unknown_type_is_left_unfused():
+    _, model = _pair(ReadsAnObject)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0 and 'reads self.settings' in messages[0]
+    assert 'forward' not in vars(model)
+
+
+def test_a_deep_copy_runs_its_own_modules():
+    _, model = _pair(Choice)
+    _fuse(model)
+    twin = copy.deepcopy(model)
+    twin.active = 'b'  # the copy's attribute decides for the copy
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(twin(x), twin.bn(twin.convs['b'](x)))
+    twin(x).sum().backward()
+    assert twin.convs.b.weight.grad is not None
+    assert model.convs.b.weight.grad is None
+
+
+class _Block(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).relu()
+
+
+def test_forward_wrapped_on_the_instance_is_left_unfused():
+    # MMEngine's activation checkpointing sets module.forward; a trace of
+    # the class's forward replaced it, and the checkpoint was gone
+    model = nn.Sequential(_Block())
+    block = model[0]
+    inner = block.forward
+    block.forward = lambda x: checkpoint(inner, x, use_reentrant=False)
+    wrapped = block.forward
+    with pytest.warns(UserWarning, match='its forward is replaced'):
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert result.fused_pairs == 0 and block.forward is wrapped
+
+
+def test_checkpointed_conv_is_not_fused_away():
+    # checkpointing applied to the conv first: fusing it skipped the call
+    model = nn.Sequential(_Block())
+    apply_activation_checkpointing(model, '0.conv')
+    with pytest.warns(UserWarning, match='no Conv\\+BN pair was fused'):
+        (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
+    assert result.fused_pairs == 0
