@@ -57,6 +57,27 @@ def _default_dtype(dtype):
 
 
 _TAKING_GENERATOR = {}
+#: the key under which torch.func's vmap refuses (or batches) random ops
+_VMAP_MODE = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchVmapMode)
+
+
+@contextlib.contextmanager
+def _outside_vmap():
+    """Run a rebuild outside functorch's transforms and the legacy vmap
+    of autograd's ``is_grads_batched`` (and vectorized jacobians): a
+    backward under either would refuse a replayed random op, or batch it;
+    a replay reads plain tensors only (R6)."""
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(level):  # the legacy mode has no exclusion guard
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        with torch._C._DisableFuncTorch(), \
+                torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE):
+            yield
+    finally:
+        for _ in range(level):
+            torch._C._vmapmode_increment_nesting()
 
 
 def _taking_generator(func):
@@ -188,7 +209,7 @@ class Replayer:
         try:
             if memo is None:  # the outermost rebuild keeps what it rebuilds
                 self.rebuilt = {}
-            with _deep_recursion():
+            with _deep_recursion(), _outside_vmap():
                 storage = self._rebuild(rec, version)
         except RecursionError as e:
             raise MmdtrError(

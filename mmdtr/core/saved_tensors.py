@@ -8,6 +8,8 @@ and R10 of docs/design.md.
 import time
 import weakref
 
+import torch
+
 from mmdtr.errors import MmdtrError
 from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 
@@ -127,6 +129,15 @@ class SavedTensors:
         return SavedHandle(self, rec, key, ref, t)
 
     def unpack(self, handle):
+        if torch.is_inference_mode_enabled():
+            # backward run in inference mode: a rebuilt storage's views are
+            # normal tensors, as eager's saved ones are (an inference tensor
+            # has no version counter to check, R10)
+            with torch.inference_mode(False):
+                return self._unpack(handle)
+        return self._unpack(handle)
+
+    def _unpack(self, handle):
         self.backward_clock = self.clock
         if isinstance(handle, HeldSaved):
             t = handle.tensor

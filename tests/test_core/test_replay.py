@@ -65,3 +65,53 @@ def test_what_a_rebuild_keeps_goes_first_under_pressure():
     assert torch.equal(x.grad, grad_ref)
     assert engine.stats.recomputations >= 13
     assert engine.stats.peak_memory <= 7 * 2**20
+
+
+def _dropout_graph():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    h = torch.nn.functional.dropout(x @ w, 0.3)
+    return x, (h * h).tanh()  # mul saves the dropout output
+
+
+def _under_dtr(step):
+    with DTR(eviction_threshold=1, evictee_minimum_size=0) as engine:
+        out = step()
+    assert engine.stats.recomputations > 0
+    return out
+
+
+@pytest.mark.parametrize('how', ['is_grads_batched', 'torch.func.vmap'])
+def test_a_backward_under_vmap_replays_outside_it(how):
+    # the replayed dropout ran inside vmap, which refuses random ops (or
+    # batches them): a RuntimeError where eager runs (found by an
+    # adversarial search)
+    def step():
+        x, y = _dropout_graph()
+        basis = torch.eye(32).view(32, 4, 8)
+        if how == 'is_grads_batched':
+            return torch.autograd.grad(y, x, basis, is_grads_batched=True)[0]
+
+        def vjp(v):
+            return torch.autograd.grad(y, x, v, retain_graph=True)[0]
+
+        return torch.func.vmap(vjp, randomness='different')(basis)
+
+    expected = step()
+    assert torch.equal(_under_dtr(step), expected)
+
+
+def test_a_backward_in_inference_mode_rebuilds_normal_tensors():
+    # the rebuilt views were inference tensors, whose version the engine
+    # reads: a RuntimeError where eager runs (found by an adversarial search)
+    def step():
+        x, y = _dropout_graph()
+        loss = y.exp().sum()
+        del y
+        with torch.inference_mode():
+            loss.backward()
+        return x.grad
+
+    expected = step()
+    assert torch.equal(_under_dtr(step), expected)
