@@ -30,7 +30,7 @@ _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 # One lock for every engine (R12): a thread holding an engine's lock may
 # free a storage another engine counts, whose callback takes that one's
 # lock; with a lock per engine, two threads doing so at once deadlocked.
-# It is let go while an op's kernel runs (:func:`_released`).
+# It is let go while the kernel of an op writing no argument runs.
 _LOCK = threading.RLock()
 
 
@@ -159,7 +159,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         rng = self._capture_rng(args, kwargs) if info.random else None
         counted = versions_before(writes) if info.versions_lists else None
         try:
-            out = self._run(func, args, kwargs, rng, unlocked=True)
+            # kept while a write runs: a rebuild in a backward thread would
+            # read the storage mid-write, its record still at the old
+            # version (found by an adversarial search; R12)
+            out = self._run(func, args, kwargs, rng, unlocked=not writes)
         except BaseException:
             self._after_failed_write(writes, info)
             raise

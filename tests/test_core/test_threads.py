@@ -1,0 +1,53 @@
+"""A graph backpropagated in another thread while the engine's thread goes
+on (R12)."""
+import threading
+
+import torch
+
+from mmdtr.dtr import DTR
+
+_WAKE = {}
+
+
+@torch.library.custom_op(
+    'mmdtr_test::sin_then_let_backward_run_', mutates_args=('x', ))
+def _sin_then_let_backward_run_(x: torch.Tensor) -> None:
+    """Writes ``x``, then starts the backward thread and gives it time to
+    rebuild, before the op returns (its version is bumped after)."""
+    x.sin_()
+    thread = _WAKE['thread']
+    thread.start()
+    thread.join(timeout=0.3)  # with the lock kept, it waits for the op
+
+
+def _step(under_dtr):
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    x = torch.randn(64)
+    engine = DTR(eviction_threshold=1, evictee_minimum_size=0) \
+        if under_dtr else None
+    if engine is not None:
+        engine.__enter__()
+    try:
+        s = x * 2  # recorded, recomputable, visible
+        a = s.tanh()  # saved by mul, evicted by the next op
+        loss = (a * w).sum()
+        del a
+        torch.randn(8).exp()
+        _WAKE['thread'] = threading.Thread(target=loss.backward)
+        _sin_then_let_backward_run_(s)
+        _WAKE['thread'].join()
+    finally:
+        if engine is not None:
+            engine.__exit__(None, None, None)
+    return w.grad, engine
+
+
+def test_a_write_in_scope_is_not_read_mid_write_by_a_backward_thread():
+    # the lock was let go while the write's kernel ran: the backward
+    # thread rebuilt tanh(s) from the written storage, its record still
+    # at the old version (found by an adversarial search)
+    expected, _ = _step(False)
+    got, engine = _step(True)
+    assert engine.stats.recomputations > 0
+    assert torch.equal(got, expected)
