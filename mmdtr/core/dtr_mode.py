@@ -148,6 +148,7 @@ class DTR:
                              'Create one DTR object per scope.')
         _refuse_in_backward('start')
         _refuse_nesting()
+        _refuse_inside_saved_tensor_hooks()
         state = EngineState(self.eviction_threshold, self.evictee_minimum_size,
                             self.enable_sqrt_sampling, self.policy,
                             self.device)
@@ -303,6 +304,25 @@ def _refuse_in_backward(what: str):
             'saved-tensor hooks after each node, which would undo it.',
             'Start DTR before forward and stop it after backward returns '
             '(`with DTR(...)`, or mmdtr.dtr.enable() and disable()).')
+
+
+def _refuse_inside_saved_tensor_hooks():
+    """Raise inside another ``saved_tensors_hooks`` context (R12): the
+    innermost hooks take every tensor saved, so the engine's would shadow
+    them (``save_on_cpu`` would offload nothing, a compression hook
+    compress nothing, ``allow_mutation_on_saved_tensors`` allow nothing)."""
+    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks',
+                  None)
+    outer = top(False) if top is not None else None
+    if outer is None:
+        return
+    owner = getattr(outer[0], '__qualname__', repr(outer[0]))
+    raise MmdtrError(
+        'DTR was started inside another saved-tensor hooks context '
+        f'(its pack hook: {owner}); its hooks would take every tensor saved '
+        'in scope, and the outer ones none.',
+        'start DTR first and enter the other context inside it (it then '
+        'handles the tensors saved in its block, DTR the rest).')
 
 
 def _refuse_nesting():

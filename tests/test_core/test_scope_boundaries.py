@@ -7,7 +7,8 @@ import threading
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode,
+                                          _get_current_dispatch_mode_stack)
 
 from mmdtr import dtr
 from mmdtr.core import collector
@@ -88,3 +89,27 @@ def test_closing_under_a_mode_entered_after_it_is_refused():
     later.__exit__(None, None, None)
     engine.__exit__(None, None, None)
     assert not engine.active
+
+
+@pytest.mark.parametrize(
+    'outer', [
+        torch.autograd.graph.save_on_cpu,
+        torch.autograd.graph.allow_mutation_on_saved_tensors, lambda: torch.
+        autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    ],
+    ids=['save_on_cpu', 'allow_mutation', 'user_hooks'])
+def test_start_inside_saved_tensor_hooks_is_refused(outer):
+    # the innermost hooks take every saved tensor: the outer ones were
+    # silently shadowed (no offloading; allow_mutation's writes refused in
+    # backward) (found by an adversarial search)
+    with outer():
+        with pytest.raises(MmdtrError, match='inside another saved-tensor'):
+            DTR(eviction_threshold='1GB').__enter__()
+        with pytest.raises(MmdtrError, match='inside another saved-tensor'):
+            dtr.enable()
+        assert not any('DTR' in type(mode).__name__
+                       for mode in _get_current_dispatch_mode_stack())
+    with DTR(eviction_threshold=1, evictee_minimum_size=0) as engine:
+        with outer():  # inside: it takes its block's tensors, DTR the rest
+            _step()
+    assert engine.stats.ops > 0
