@@ -41,7 +41,8 @@ from torch.utils.checkpoint import (checkpoint,
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
-                               tracking_norms, watch_buffers, written_buffer)
+                               tracking_norms, watch_buffers, watch_versions,
+                               written_buffer, written_since)
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 
@@ -81,7 +82,8 @@ class _CheckedRecompute:
 
 
 def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
-                forward_contexts: list, owner: str) -> Tuple[object, object]:
+                forward_contexts: list, owner: str,
+                watched: list) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
             save_policy(policy))
@@ -89,7 +91,8 @@ def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
         recompute = _CheckedRecompute(fwd, recompute, owner)
     else:
         fwd, recompute = nullcontext(), nullcontext()
-    return fwd, RecomputeContext(RunningStatsGuard(norms), recompute)
+    return fwd, RecomputeContext(
+        RunningStatsGuard(norms), recompute, watched, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -146,12 +149,12 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     norms = tracking_norms(self)
     forward_contexts = []
+    # tensors inside lists, tuples and dicts too (a neck's feature list)
+    inputs = watch_versions(tree_leaves((args, kwargs)))
     context_fn = functools.partial(_context_fn, norms, policy,
                                    forward_contexts,
-                                   type(self).__name__)
-    # tensors inside lists, tuples and dicts too (a neck's feature list)
-    inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
-              if isinstance(t, torch.Tensor) and not t.is_inference()]
+                                   type(self).__name__,
+                                   watch_versions(self.parameters()) + inputs)
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
@@ -169,7 +172,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             t.requires_grad
             for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
         return out  # no backward reaches it, no recompute: as it is
-    if any(t._version != version for t, version in inputs):
+    if written_since(inputs) is not None:
         # the recompute would run on the written input: autograd's in-place
         # error in backward, or, if it passes, other values
         raise MmdtrError(

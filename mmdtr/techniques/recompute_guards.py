@@ -10,6 +10,10 @@ Whatever that forward writes besides its outputs is written twice:
 - any other buffer (an EMA, a call counter): the recompute would read the
   updated value, so its activations and gradients would differ; it is
   refused (:func:`watch_buffers`, :func:`written_buffer`).
+
+And what the recompute reads must not have changed since the forward: a
+parameter or input written in place in between is refused when backward
+would recompute (:class:`RecomputeContext`).
 """
 from contextlib import ExitStack
 from typing import List, Optional
@@ -17,6 +21,8 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
+
+from mmdtr.errors import MmdtrError
 
 #: The buffers of a normalization layer that its training forward updates.
 NORM_BUFFERS = ('running_mean', 'running_var', 'num_batches_tracked')
@@ -65,21 +71,61 @@ class RunningStatsGuard:
             setattr(norm, name, buffer)
 
 
+def watch_versions(tensors) -> list:
+    """``(tensor, version)`` of each tensor among ``tensors`` that has a
+    version counter."""
+    return [(t, t._version) for t in tensors
+            if isinstance(t, torch.Tensor) and not t.is_inference()]
+
+
+def written_since(watched: list) -> Optional[torch.Tensor]:
+    """A tensor of ``watched`` written in place since, or ``None``."""
+    for t, version in watched:
+        if t._version != version:
+            return t
+    return None
+
+
 class RecomputeContext:
-    """The running-stats guard plus, if selective, SAC's recompute mode.
+    """The running-stats guard plus, if selective, SAC's recompute mode;
+    refuses to recompute when a parameter or input the forward read was
+    written since.
 
     Args:
         guard (RunningStatsGuard): The guard of the module's norm layers.
         sac_context: The recompute context of a selective policy, or a
             null context.
+        watched (list): ``(tensor, version)`` of the module's parameters and
+            tensor inputs at the forward (:func:`watch_versions`).
+        owner (str): The module's class name, for the message.
     """
 
-    def __init__(self, guard: RunningStatsGuard, sac_context):
+    def __init__(self,
+                 guard: RunningStatsGuard,
+                 sac_context,
+                 watched: Optional[list] = None,
+                 owner: str = ''):
         self.guard = guard
         self.sac_context = sac_context
+        self.watched, self.owner = watched or [], owner
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
+        written = written_since(self.watched)
+        if written is not None:
+            # found by an adversarial search: a step in backward of a
+            # parameter read through .detach() came first, and the
+            # recompute silently read the new values
+            raise MmdtrError(
+                'activation_checkpointing: a parameter or input (shape '
+                f'{tuple(written.shape)}) of a checkpointed {self.owner} was '
+                'written in place between its forward and its recomputation '
+                'in backward (by InplaceOptimWrapper(step_in_backward=True) '
+                'stepping a parameter whose gradient was complete before, as '
+                'one read through .detach(), or by an in-place op); the '
+                'recomputation would read the new values.',
+                hint='leave that module unchecked, use '
+                'step_in_backward=False, or write out of place.')
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
             stack.enter_context(self.sac_context)

@@ -516,3 +516,33 @@ def test_kept_output_written_after_the_module_returns_is_refused():
         out.backward()
     # the buffers themselves, not the recompute's throw-away copies
     assert all(a is b for a, b in zip(stats, model.block[0].buffers()))
+
+
+class _ReadsASharedWeight(nn.Module):
+    """Reads a weight of a shared module through ``.detach()``: no
+    gradient flows to it from here, so a step in backward may come first."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.fc, self.shared = nn.Linear(8, 8), shared
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) * self.shared.weight.detach().sum())
+
+
+def test_parameter_written_before_the_recompute_is_refused():
+    # InplaceOptimWrapper(step_in_backward=True) stepped the shared weight
+    # (its gradient complete) before the block recomputed: the recompute
+    # read the new weight and every gradient differed, silently (found by
+    # an adversarial search)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(_ReadsASharedWeight(shared))
+    apply_activation_checkpointing(model, '0')
+    loss = model(torch.randn(4, 8)).sum()
+    with torch.no_grad():
+        shared.weight.add_(1.0)  # what the step in backward does
+    with pytest.raises(MmdtrError, match='written in place between its '
+                       'forward and its recomputation'):
+        loss.backward()
+    loss = model(torch.randn(4, 8)).sum()  # unchanged since: it runs
+    loss.backward()
