@@ -94,6 +94,14 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
     """
     hooks = [h for h in custom_hooks if hook_name(h) == 'DTRHook']
     wrapper = cfg.get('model_wrapper_cfg', None)
+    if wrapper is not None and not isinstance(wrapper, dict):
+        raise MmdtrError(
+            f'model_wrapper_cfg={wrapper!r} is not accepted: MMEngine takes '
+            'a dict.',
+            hint="e.g. model_wrapper_cfg=dict(type='mmdtr."
+            "DTRDistributedDataParallel', dtr=dict(eviction_threshold="
+            "'3GB')); on the command line set its keys: "
+            'model_wrapper_cfg.type=...')
     if isinstance(wrapper, dict):
         check_scoped_type('model_wrapper_cfg', wrapper, MODEL_WRAPPERS,
                           cfg.get('default_scope', None))
@@ -117,6 +125,23 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
             hint='use the top-level dtr key, which works with and without '
             'a launcher.')
     dtr_settings(by_wrapper, 'model_wrapper_cfg.dtr')  # its values, now
+    wrapper_type = wrapper.get('type', None)
+    cls = wrapper_type
+    if isinstance(wrapper_type, str):
+        cls = MODEL_WRAPPERS.get(wrapper_type)
+    if cls is None and wrapper_type is not None and '.' in str(
+            wrapper_type) and not str(wrapper_type).startswith(
+                ('mmdtr.', 'mmengine.')):
+        return  # another project's wrapper, maybe not imported yet
+    if not (isinstance(cls, type)
+            and issubclass(cls, DTRDistributedDataParallel)):
+        raise MmdtrError(
+            f'model_wrapper_cfg.dtr={by_wrapper!r} on model_wrapper_cfg.type='
+            f'{wrapper_type!r}: only DTRDistributedDataParallel (and its '
+            'subclasses) takes a dtr argument; this wrapper would fail when '
+            'the runner is built.',
+            hint="set model_wrapper_cfg.type='mmdtr.DTRDistributedDataParallel"
+            "', or use the top-level dtr key.")
 
 
 @HOOKS.register_module()

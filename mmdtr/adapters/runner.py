@@ -34,7 +34,7 @@ from torch import distributed as torch_dist
 from torch import nn
 
 from mmdtr.errors import MmdtrError
-from mmdtr.registry import OPTIM_WRAPPERS, RUNNERS
+from mmdtr.registry import MODEL_WRAPPERS, OPTIM_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import (SOURCE_ATTR, check_scoped_type, config_check,
                                  translate_memory_keys)
@@ -313,14 +313,36 @@ class MMDTRRunner(Runner):
         Returns:
             nn.Module: The wrapped model (or the model when not distributed).
         """
-        if (model_wrapper_cfg is None and self.distributed
-                and not is_model_wrapper(model) and get_device() == 'cpu'):
+        on_cpu = self.distributed and not is_model_wrapper(model) and \
+            get_device() == 'cpu'
+        if model_wrapper_cfg is None and on_cpu:
             model_wrapper_cfg = dict(
                 type=self.cpu_model_wrapper,
                 broadcast_buffers=False,
                 find_unused_parameters=self.cfg.get('find_unused_parameters',
                                                     False))
+        elif isinstance(model_wrapper_cfg, dict):
+            model_wrapper_cfg = self._resolvable_wrapper(
+                model_wrapper_cfg, on_cpu)
         return super().wrap_model(model_wrapper_cfg, model)
+
+    def _resolvable_wrapper(self, cfg: Dict, on_cpu: bool) -> Dict:
+        """``model_wrapper_cfg`` as MMEngine's ``wrap_model`` can build it
+        (found by an adversarial search; each failed in every rank):
+        MMEngine looks the type up in its root registry, so a plain name
+        of mmdtr's gets its scope; on CPU, MMEngine's own DDP wrapper (also
+        the default when no type is given) passes CUDA ``device_ids``, so
+        :attr:`cpu_model_wrapper`, its subclass without them, is used."""
+        cfg = dict(cfg)
+        name = cfg.get('type', 'MMDistributedDataParallel')
+        if name in ('MMDistributedDataParallel',
+                    'mmengine.MMDistributedDataParallel') and on_cpu:
+            cfg['type'] = self.cpu_model_wrapper
+        elif isinstance(name, str) and '.' not in name and \
+                MODEL_WRAPPERS.get(name) is not None and \
+                MODEL_WRAPPERS.parent.get(name) is None:
+            cfg['type'] = f'mmdtr.{name}'
+        return cfg
 
 
 # ``runner_type='MMDTRRunner'`` must resolve under any default scope (e.g. a

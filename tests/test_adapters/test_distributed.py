@@ -9,6 +9,7 @@ from torch import nn
 
 from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
                                         close_dist, init_cpu_dist)
+from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
@@ -97,6 +98,37 @@ def test_model_wrapper_cfg_is_respected(single_rank_env, tmp_path):
                 type='mmdtr.MMDTRDistributedDataParallel',
                 find_unused_parameters=True),
             log_level='WARNING'))
+    assert runner.model.find_unused_parameters
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    'wrapper, expected', [
+        (dict(find_unused_parameters=True), MMDTRDistributedDataParallel),
+        (dict(type='MMDistributedDataParallel',
+              find_unused_parameters=True), MMDTRDistributedDataParallel),
+        (dict(type='DTRDistributedDataParallel',
+              find_unused_parameters=True), DTRDistributedDataParallel),
+    ],
+    ids=['no_type', 'mmengine_ddp', 'plain_mmdtr_name'])
+def test_model_wrapper_cfg_mmengine_cannot_build_on_cpu(
+        single_rank_env, tmp_path, wrapper, expected):
+    # each failed in every rank while the runner was built: MMEngine's DDP
+    # wrapper (also its default) passes CUDA device_ids; a plain name of
+    # mmdtr's is not in MMEngine's root registry, whatever the scope
+    # (found by an adversarial search; configs/spos_synthetic.py's header
+    # gives the MMEngine form)
+    init_cpu_dist('pytorch')
+    runner = MMDTRRunner.from_cfg(
+        dict(
+            model=dict(type='LinearToyModel'),
+            work_dir=str(tmp_path),
+            experiment_name=f'dist_{uuid.uuid4().hex}',
+            default_scope='mmdtr',
+            launcher='pytorch',
+            model_wrapper_cfg=wrapper,
+            log_level='WARNING'))
+    assert type(runner.model) is expected
     assert runner.model.find_unused_parameters
 
 

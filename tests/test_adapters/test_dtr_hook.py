@@ -203,6 +203,16 @@ WRAPPER = dict(
         (dict(
             model_wrapper_cfg=dict(WRAPPER, dtr=dict(eviction_treshold=1)),
             launcher='pytorch'), 'eviction_treshold'),
+        # raw errors in every rank while the runner was built (found by an
+        # adversarial search)
+        (dict(model_wrapper_cfg='mmdtr.DTRDistributedDataParallel'),
+         'model_wrapper_cfg=.* is not accepted: MMEngine takes a dict'),
+        (dict(
+            model_wrapper_cfg=dict(
+                WRAPPER, type='mmdtr.MMDTRDistributedDataParallel'),
+            launcher='pytorch'), 'only DTRDistributedDataParallel'),
+        (dict(model_wrapper_cfg=dict(dtr=WRAPPER['dtr']),
+              launcher='pytorch'), "type=None: only DTRDistributed"),
     ],
     ids=[
         'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
@@ -211,7 +221,8 @@ WRAPPER = dict(
         'hook_a_string', 'hook_without_type', 'hook_type_typo',
         'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
         'hook_priority_name', 'hook_priority_range', 'wrapper_bad_size',
-        'wrapper_sub_key_typo'
+        'wrapper_sub_key_typo', 'wrapper_not_a_dict', 'wrapper_without_dtr',
+        'wrapper_without_type'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):
