@@ -35,13 +35,29 @@ if [ ! -f "$CONFIG" ]; then
 fi
 for NAME in NNODES NODE_RANK PORT; do
     VALUE=${!NAME}
-    if ! [[ "$VALUE" =~ ^[0-9]{1,9}$ ]] || { [ "$NAME" = NNODES ] && \
+    # PORT 0 and a NODE_RANK of no node hung in the rendezvous, silently
+    if ! [[ "$VALUE" =~ ^[0-9]{1,9}$ ]] || { [ "$NAME" != NODE_RANK ] && \
             [ "$VALUE" -lt 1 ]; } || { [ "$NAME" = PORT ] && \
             [ "$VALUE" -gt 65535 ]; }; then
         echo "MmdtrError: mmdtr: $NAME '$VALUE' is not accepted; accepted:" \
-            "a non-negative integer (NNODES: positive; PORT: at most" \
-            "65535)." \
+            "a non-negative integer (NNODES: positive; PORT: 1 to" \
+            "65535; NODE_RANK: below NNODES)." \
             "Hint: e.g. NNODES=1 NODE_RANK=0 PORT=29500." >&2
+        exit 1
+    fi
+done
+if [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "MmdtrError: mmdtr: NODE_RANK '$NODE_RANK' is not accepted with" \
+        "NNODES '$NNODES'; accepted: 0 to $((NNODES - 1))." \
+        "Hint: number the nodes from 0." >&2
+    exit 1
+fi
+for ARG in "${@:3}"; do
+    if [[ "$ARG" == --launcher* ]]; then
+        # it overrode the script's own: one independent run per process
+        echo "MmdtrError: mmdtr: '$ARG' is not accepted here: this script" \
+            "launches with --launcher pytorch." \
+            "Hint: drop it, or run tools/train.py directly." >&2
         exit 1
     fi
 done

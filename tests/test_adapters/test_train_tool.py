@@ -298,9 +298,11 @@ def test_dist_train_passes_what_torchrun_takes(toy_config, nproc, tmp_path):
 
 @pytest.mark.parametrize('name, value', [('NNODES', '0'), ('NNODES', 'x'),
                                          ('NODE_RANK', '-1'), ('PORT', 'abc'),
-                                         ('PORT', '99999')])
+                                         ('PORT', '99999'), ('PORT', '0'),
+                                         ('NODE_RANK', '1')])
 def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
-    # torchrun ended in a traceback (found by an adversarial search)
+    # torchrun ended in a traceback; PORT 0 and a NODE_RANK of no node hung
+    # in the rendezvous (found by adversarial searches)
     proc = run_dist_train(
         tmp_path, toy_config, '1', env={
             'PYTHON': 'false',
@@ -310,6 +312,20 @@ def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
     assert proc.stderr.startswith(
         f"MmdtrError: mmdtr: {name} '{value}' is not accepted")
     assert proc.stderr.count('\n') == 1
+
+
+def test_dist_train_refuses_a_launcher_argument(toy_config, tmp_path):
+    # '--launcher none' overrode the script's: independent runs, exit 0
+    proc = run_dist_train(
+        tmp_path,
+        toy_config,
+        '1',
+        '--launcher',
+        'none',
+        env={'PYTHON': 'false'})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        "MmdtrError: mmdtr: '--launcher' is not accepted here")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
