@@ -151,10 +151,10 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     forward_contexts = []
     # tensors inside lists, tuples and dicts too (a neck's feature list)
     inputs = watch_versions(tree_leaves((args, kwargs)))
+    watched = []  # what the recompute reads, filled after the forward
     context_fn = functools.partial(_context_fn, norms, policy,
                                    forward_contexts,
-                                   type(self).__name__,
-                                   watch_versions(self.parameters()) + inputs)
+                                   type(self).__name__, watched)
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
@@ -186,6 +186,10 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     if kept is not None:
         raise _kept_output_written(
             type(self).__name__, kept, 'later in its forward')
+    # parameters as the forward left them (Embedding(max_norm=...) writes
+    # its weight in the forward, and again, to the same values, in the
+    # recompute); a write after this is refused at the recompute
+    watched += watch_versions(self.parameters()) + inputs
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(

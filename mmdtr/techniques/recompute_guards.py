@@ -107,7 +107,8 @@ class RecomputeContext:
                  owner: str = ''):
         self.guard = guard
         self.sac_context = sac_context
-        self.watched, self.owner = watched or [], owner
+        self.watched = watched if watched is not None else []
+        self.owner = owner
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
@@ -133,6 +134,8 @@ class RecomputeContext:
 
     def __exit__(self, *exc_info) -> None:
         self._stacks.pop().__exit__(*exc_info)
+        # a second recompute (retain_graph) compares with this one's end
+        self.watched[:] = watch_versions(t for t, _ in self.watched)
 
 
 def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
