@@ -311,8 +311,7 @@ def _refuse_inside_saved_tensor_hooks():
     innermost hooks take every tensor saved, so the engine's would shadow
     them (``save_on_cpu`` would offload nothing, a compression hook
     compress nothing, ``allow_mutation_on_saved_tensors`` allow nothing)."""
-    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks',
-                  None)
+    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
     outer = top(False) if top is not None else None
     if outer is None:
         return
