@@ -42,6 +42,84 @@ def _env(name: str, launcher: str) -> str:
     return os.environ[name]
 
 
+def _available_backends() -> tuple:
+    return tuple(b for b in _CPU_BACKENDS
+                 if b != 'mpi' or torch_dist.is_mpi_available())
+
+
+def check_cpu_dist_cfg(backend: str = 'gloo',
+                       init_backend: str = 'torch',
+                       timeout: Optional[int] = None,
+                       **kwargs) -> tuple:
+    """Check ``env_cfg.dist_cfg`` for CPU training, without starting
+    anything: ``tools/dist_train.sh`` checks it once, before the ranks
+    start (found by an adversarial search: once per rank, then torchrun's
+    traceback).
+
+    Args:
+        backend (str): ``'gloo'``, or ``'mpi'`` where this PyTorch has it;
+            ``'nccl'`` means ``'gloo'``.
+        init_backend (str): Only ``'torch'``.
+        timeout (int, optional): Seconds, positive.
+        **kwargs: Other arguments of
+            :func:`torch.distributed.init_process_group`.
+
+    Returns:
+        tuple: The backend to use, and the keyword arguments for
+        ``init_process_group`` (``timeout`` as a ``timedelta``).
+
+    Raises:
+        MmdtrError: On a value CPU training cannot use.
+    """
+    kwargs = dict(kwargs)
+    kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
+    if backend == 'nccl':
+        backend = 'gloo'
+    if backend not in _CPU_BACKENDS or (backend == 'mpi'
+                                        and not torch_dist.is_mpi_available()):
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU here; '
+            f'accepted: {_available_backends()} (or nccl, which means '
+            'gloo).',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
+    if init_backend != 'torch':
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.init_backend={init_backend!r} is not '
+            "supported on CPU; accepted: 'torch'.",
+            hint='leave init_backend out of env_cfg.dist_cfg.')
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not 0 < timeout < float('inf'):
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
+                'expected a positive number of seconds.',
+                hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
+        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+    accepted = inspect.signature(torch_dist.init_process_group).parameters
+    for name in kwargs:
+        if name not in accepted or name in ('rank', 'world_size', 'backend'):
+            close = difflib.get_close_matches(name, ['timeout', *accepted], 1)
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.{name}={kwargs[name]!r} is not accepted '
+                '(not an argument of torch.distributed.init_process_group '
+                'that the config may set)' +
+                (f'; closest match: {close[0]!r}.' if close else '.'),
+                hint='see init_cpu_dist in mmdtr/adapters/distributed.py.')
+    return backend, kwargs
+
+
+def _env_int(name: str, launcher: str) -> int:
+    value = _env(name, launcher)
+    try:
+        return int(value)
+    except ValueError:
+        raise MmdtrError(
+            f'launcher {launcher!r}: the environment variable {name}='
+            f'{value!r} is not an integer.',
+            hint='start the processes with tools/dist_train.sh (torchrun) '
+            'for --launcher pytorch.') from None
+
+
 def init_cpu_dist(launcher: str,
                   backend: str = 'gloo',
                   init_backend: str = 'torch',
@@ -67,26 +145,16 @@ def init_cpu_dist(launcher: str,
         >>> # in a config, as for MMEngine; on CPU nccl becomes gloo
         >>> env_cfg = dict(dist_cfg=dict(backend='gloo', timeout=1800))
     """
-    if backend == 'nccl':
-        backend = 'gloo'
-    if backend not in _CPU_BACKENDS:
-        raise MmdtrError(
-            f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU; '
-            f'accepted: {_CPU_BACKENDS} (or nccl, which means gloo).',
-            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
-    if init_backend != 'torch':
-        raise MmdtrError(
-            f'env_cfg.dist_cfg.init_backend={init_backend!r} is not '
-            "supported on CPU; accepted: 'torch'.",
-            hint='leave init_backend out of env_cfg.dist_cfg.')
+    backend, kwargs = check_cpu_dist_cfg(backend, init_backend, timeout,
+                                         **kwargs)
     if launcher not in _LAUNCHER_ENV:
         raise MmdtrError(
             f'launcher={launcher!r} is not supported; accepted: '
             f'{tuple(_LAUNCHER_ENV)}.',
             hint='use tools/dist_train.sh, which passes --launcher pytorch.')
     rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
-    rank = int(_env(rank_var, launcher))
-    world_size = int(_env(size_var, launcher))
+    rank, world_size = _env_int(rank_var,
+                                launcher), _env_int(size_var, launcher)
     if launcher == 'slurm':
         if port is not None:
             os.environ['MASTER_PORT'] = str(port)
@@ -98,27 +166,12 @@ def init_cpu_dist(launcher: str,
     elif launcher == 'mpi':
         os.environ.setdefault('MASTER_PORT', '29500')
         _env('MASTER_ADDR', launcher)
+    else:  # torchrun sets both; env:// raised a raw ValueError without
+        _env('MASTER_ADDR', launcher)
+        _env_int('MASTER_PORT', launcher)
     os.environ['RANK'] = str(rank)
     os.environ['WORLD_SIZE'] = str(world_size)
     os.environ['LOCAL_RANK'] = os.environ.get(local_var, '0')
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or not 0 < timeout < float('inf'):
-            raise MmdtrError(
-                f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
-                'expected a positive number of seconds.',
-                hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
-        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-    accepted = inspect.signature(torch_dist.init_process_group).parameters
-    for name in kwargs:
-        if name not in accepted or name in ('rank', 'world_size', 'backend'):
-            close = difflib.get_close_matches(name, ['timeout', *accepted], 1)
-            raise MmdtrError(
-                f'env_cfg.dist_cfg.{name}={kwargs[name]!r} is not accepted '
-                '(not an argument of torch.distributed.init_process_group '
-                'that the config may set)' +
-                (f'; closest match: {close[0]!r}.' if close else '.'),
-                hint='see init_cpu_dist in mmdtr/adapters/distributed.py.')
     torch_dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size, **kwargs)
 

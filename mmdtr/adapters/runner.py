@@ -38,7 +38,7 @@ from mmdtr.registry import MODEL_WRAPPERS, OPTIM_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import (SOURCE_ATTR, check_scoped_type, config_check,
                                  translate_memory_keys)
-from .distributed import init_cpu_dist
+from .distributed import check_cpu_dist_cfg, init_cpu_dist
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)
@@ -109,6 +109,41 @@ def _is_inplace(wrapper_type) -> bool:
     take arguments of its own: its constructor checks them)."""
     from .inplace_optim_wrapper import InplaceOptimWrapper
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
+
+
+@config_check
+def check_cpu_distributed(cfg, custom_hooks: list) -> None:
+    """With a launcher and no accelerator, check ``env_cfg.dist_cfg`` and
+    refuse ``sync_bn`` when the config is read: ``tools/dist_train.sh``
+    checks once, before the ranks start (found by an adversarial search:
+    each failed once per rank, then in torchrun's traceback).
+
+    Args:
+        cfg (Config): The config.
+        custom_hooks (list): Its hooks (unused).
+
+    Raises:
+        MmdtrError: On a ``dist_cfg`` value CPU training cannot use, or
+            ``sync_bn``: PyTorch's SyncBatchNorm runs on GPU modules only.
+    """
+    if cfg.get('launcher', 'none') in (None, 'none') or get_device() != 'cpu':
+        return
+    env_cfg = cfg.get('env_cfg', None) or {}
+    dist_cfg = env_cfg.get('dist_cfg', None) or {} if isinstance(
+        env_cfg, dict) else None
+    if not isinstance(dist_cfg, dict):
+        raise MmdtrError(
+            f'env_cfg={env_cfg!r} is not accepted: MMEngine takes a dict '
+            'with a dist_cfg dict.',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
+    check_cpu_dist_cfg(**dist_cfg)
+    sync_bn = cfg.get('sync_bn', None)
+    if sync_bn is not None:
+        raise MmdtrError(
+            f'sync_bn={sync_bn!r} cannot run on CPU: SyncBatchNorm works '
+            'with GPU modules only.',
+            hint='leave sync_bn out on CPU (each rank then keeps batch '
+            'statistics of its own).')
 
 
 @config_check

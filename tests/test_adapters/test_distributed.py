@@ -160,12 +160,52 @@ def test_init_cpu_dist_errors(monkeypatch):
     (dict(tiemout=30), "dist_cfg.tiemout=30.*closest match: 'timeout'"),
     (dict(timeout='30'), "timeout='30' is not accepted"),
     (dict(timeout=-1), 'timeout=-1 is not accepted'),
-    (dict(rank=3), 'dist_cfg.rank=3 is not accepted')
+    (dict(rank=3), 'dist_cfg.rank=3 is not accepted'),
+    pytest.param(
+        dict(backend='mpi'),
+        "backend='mpi' cannot run on CPU here",
+        marks=pytest.mark.skipif(
+            torch_dist.is_mpi_available(), reason='this torch has MPI')),
 ])
 def test_init_cpu_dist_refuses_bad_dist_cfg(single_rank_env, dist_cfg, match):
     with pytest.raises(MmdtrError, match=match):
         init_cpu_dist('pytorch', **dist_cfg)
     assert not torch_dist.is_initialized()
+
+
+@pytest.mark.parametrize('name, value, match', [
+    ('MASTER_ADDR', None, 'needs the environment variable MASTER_ADDR'),
+    ('RANK', 'abc', "RANK='abc' is not an integer"),
+])
+def test_init_cpu_dist_refuses_a_bad_environment(single_rank_env, monkeypatch,
+                                                 name, value, match):
+    # raw ValueErrors of int() and of torch's env:// (found by an
+    # adversarial search)
+    if value is None:
+        monkeypatch.delenv(name)
+    else:
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MmdtrError, match=match):
+        init_cpu_dist('pytorch')
+    assert not torch_dist.is_initialized()
+
+
+@cpu_only
+@pytest.mark.parametrize('keys, match', [
+    (dict(sync_bn='torch'), "sync_bn='torch' cannot run on CPU"),
+    (dict(env_cfg=dict(dist_cfg=dict(backend='ucc'))),
+     "backend='ucc' cannot run on CPU"),
+    (dict(env_cfg=dict(dist_cfg=dict(timeout=0))), 'timeout=0 is not'),
+])
+def test_cpu_distributed_settings_are_checked_with_the_config(keys, match):
+    # each failed once per rank, then in torchrun's traceback (found by an
+    # adversarial search); dist_train.sh checks the config once
+    from mmengine.config import Config
+
+    from mmdtr.adapters.config_translation import translate_memory_keys
+    with pytest.raises(MmdtrError, match=match):
+        translate_memory_keys(Config(dict(launcher='pytorch', **keys)))
+    translate_memory_keys(Config(keys))  # without a launcher: not used
 
 
 @cpu_only
