@@ -16,7 +16,8 @@ import subprocess
 from typing import Optional
 
 import torch.distributed as torch_dist
-from mmengine.model import MMDistributedDataParallel
+from mmengine.model import (MMDistributedDataParallel,
+                            MMSeparateDistributedDataParallel)
 from torch import nn
 
 from mmdtr.errors import MmdtrError
@@ -242,4 +243,37 @@ class MMDTRDistributedDataParallel(MMDistributedDataParallel):
         super().__init__(
             module=module,
             detect_anomalous_params=detect_anomalous_params,
+            **kwargs)
+
+
+@MODEL_WRAPPERS.register_module()
+class MMDTRSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
+    """:class:`~mmengine.model.MMSeparateDistributedDataParallel` that runs
+    on CPU: each sub-module's DDP gets no ``device_ids`` there (MMEngine's
+    runner passes CUDA ones). For models with one optimizer per sub-module
+    (GANs); :class:`MMDTRRunner` uses it on CPU in place of MMEngine's.
+
+    Args:
+        module (nn.Module): The model to wrap.
+        broadcast_buffers (bool): See DDP. Defaults to False.
+        find_unused_parameters (bool): See DDP. Defaults to False.
+        **kwargs: Passed to each sub-module's DDP.
+
+    Examples:
+        >>> model_wrapper_cfg = dict(
+        ...     type='mmdtr.MMDTRSeparateDistributedDataParallel')
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 broadcast_buffers: bool = False,
+                 find_unused_parameters: bool = False,
+                 **kwargs):
+        if _on_cpu(module):
+            kwargs.pop('device_ids', None)
+            kwargs.pop('output_device', None)
+        super().__init__(
+            module,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
             **kwargs)

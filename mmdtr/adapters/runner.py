@@ -373,6 +373,10 @@ class MMDTRRunner(Runner):
         if name in ('MMDistributedDataParallel',
                     'mmengine.MMDistributedDataParallel') and on_cpu:
             cfg['type'] = self.cpu_model_wrapper
+        elif name in ('MMSeparateDistributedDataParallel',
+                      'mmengine.MMSeparateDistributedDataParallel') \
+                and on_cpu:  # the same, for each sub-module (GANs)
+            cfg['type'] = 'mmdtr.MMDTRSeparateDistributedDataParallel'
         elif isinstance(name, str) and '.' not in name and \
                 MODEL_WRAPPERS.get(name) is not None and \
                 MODEL_WRAPPERS.parent.get(name) is None:

@@ -201,3 +201,57 @@ def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
                                dtr.optim_wrapper)
     evictions = dtr.message_hub.get_scalar('train/dtr_evictions').data[0]
     assert len(evictions) == 2 and min(evictions) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='the CPU path')
+def test_separate_ddp_with_two_optimizers_under_dtr_on_cpu(
+        single_rank_env, tmp_path, toy_runner_cfg):
+    # MMEngine's MMSeparateDistributedDataParallel passed CUDA device_ids to
+    # each sub-module's DDP and failed on CPU; a run per rank is bit for bit
+    # the same steps as one process (a gloo group of one here; two processes
+    # were checked by an adversarial search)
+    from mmdtr.adapters.distributed import \
+        MMDTRSeparateDistributedDataParallel
+    sgd = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+
+    def run(name, **keys):
+        cfg = toy_runner_cfg(
+            tmp_path / name,
+            'DTRToyGAN',
+            'DTRToyImages',
+            name,
+            optim_wrapper=dict(
+                constructor='PerSubmoduleOptimWrapperConstructor',
+                generator=sgd,
+                discriminator=sgd),
+            log_level='WARNING',
+            randomness=dict(seed=1),
+            **keys)
+        runner = MMDTRRunner.from_cfg(cfg)
+        runner.train()
+        return runner
+
+    plain = run('plain')
+    dtr = run(
+        'dtr',
+        dtr=DTR_CFG,
+        launcher='pytorch',
+        model_wrapper_cfg=dict(type='MMSeparateDistributedDataParallel'))
+    assert type(dtr.model) is MMDTRSeparateDistributedDataParallel
+    # each sub-module is wrapped: 'generator.module.0.0.weight'
+    state = {
+        name.replace('.module.', '.'): value
+        for name, value in dtr.model.module.state_dict().items()
+    }
+    assert state.keys() == plain.model.state_dict().keys()
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    for key in ('generator', 'discriminator'):
+        momenta = [
+            (s['momentum_buffer'], t['momentum_buffer'])
+            for s, t in zip(plain.optim_wrapper[key].optimizer.state.values(),
+                            dtr.optim_wrapper[key].optimizer.state.values())
+        ]
+        assert momenta and all(torch.equal(a, b) for a, b in momenta)
+    evictions = dtr.message_hub.get_scalar('train/dtr_evictions').data[0]
+    assert min(evictions) > 0
