@@ -15,6 +15,7 @@ And what the recompute reads must not have changed since the forward: a
 parameter or input written in place in between is refused when backward
 would recompute (:class:`RecomputeContext`).
 """
+import weakref
 from contextlib import ExitStack
 from typing import List, Optional
 
@@ -72,16 +73,19 @@ class RunningStatsGuard:
 
 
 def watch_versions(tensors) -> list:
-    """``(tensor, version)`` of each tensor among ``tensors`` that has a
-    version counter."""
-    return [(t, t._version) for t in tensors
+    """``(weak reference, version)`` of each tensor among ``tensors`` that
+    has a version counter. Weak: a strong reference held until backward
+    kept the module's inputs visible, so DTR could not evict them."""
+    return [(weakref.ref(t), t._version) for t in tensors
             if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def written_since(watched: list) -> Optional[torch.Tensor]:
-    """A tensor of ``watched`` written in place since, or ``None``."""
-    for t, version in watched:
-        if t._version != version:
+    """A live tensor of ``watched`` written in place since, or ``None``.
+    """
+    for ref, version in watched:
+        t = ref()
+        if t is not None and t._version != version:
             return t
     return None
 
@@ -135,7 +139,7 @@ class RecomputeContext:
     def __exit__(self, *exc_info) -> None:
         self._stacks.pop().__exit__(*exc_info)
         # a second recompute (retain_graph) compares with this one's end
-        self.watched[:] = watch_versions(t for t, _ in self.watched)
+        self.watched[:] = watch_versions(ref() for ref, _ in self.watched)
 
 
 def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
