@@ -53,7 +53,8 @@ if [ "$NODE_RANK" -ge "$NNODES" ]; then
     exit 1
 fi
 for ARG in "${@:3}"; do
-    if [[ "$ARG" == --launcher* ]]; then
+    # argparse takes any unique prefix of --launcher (--la, --launch)
+    if [[ "${ARG%%=*}" =~ ^--la(u(n(c(h(e(r)?)?)?)?)?)?$ ]]; then
         # it overrode the script's own: one independent run per process
         echo "MmdtrError: mmdtr: '$ARG' is not accepted here: this script" \
             "launches with --launcher pytorch." \

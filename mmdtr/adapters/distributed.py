@@ -167,7 +167,8 @@ def init_cpu_dist(launcher: str,
     elif launcher == 'mpi':
         os.environ.setdefault('MASTER_PORT', '29500')
         _env('MASTER_ADDR', launcher)
-    else:  # torchrun sets both; env:// raised a raw ValueError without
+    elif kwargs.get('init_method', 'env://') == 'env://':
+        # torchrun sets both; env:// raised a raw ValueError without
         _env('MASTER_ADDR', launcher)
         _env_int('MASTER_PORT', launcher)
     os.environ['RANK'] = str(rank)

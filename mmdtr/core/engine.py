@@ -44,6 +44,7 @@ def _released(lock):
         lock.acquire()
 
 
+_held = contextlib.nullcontext
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -232,7 +233,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                                    if type(w) in _PLAIN]  # what eager bumps
                                   ) if info.versions_lists else None
         try:
-            with _released(self.lock):  # a subclass's own Python runs
+            # a subclass's own Python runs unlocked, but for a write (the
+            # race of on_op; found by a review)
+            with _released(self.lock) if not writes else _held():
                 out = func(*args, **kwargs)
         except BaseException:
             self._after_failed_write(writes, info)

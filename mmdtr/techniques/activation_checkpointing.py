@@ -41,8 +41,8 @@ from torch.utils.checkpoint import (checkpoint,
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
-                               tracking_norms, watch_buffers, watch_versions,
-                               written_buffer, written_since)
+                               parameter_record, tracking_norms, watch_buffers,
+                               watch_versions, written_buffer, written_since)
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 
@@ -82,8 +82,8 @@ class _CheckedRecompute:
 
 
 def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
-                forward_contexts: list, owner: str,
-                watched: list) -> Tuple[object, object]:
+                forward_contexts: list, owner: str, inputs: list,
+                params: list) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
             save_policy(policy))
@@ -92,7 +92,7 @@ def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
     else:
         fwd, recompute = nullcontext(), nullcontext()
     return fwd, RecomputeContext(
-        RunningStatsGuard(norms), recompute, watched, owner)
+        RunningStatsGuard(norms), recompute, inputs, params, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -151,10 +151,11 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     forward_contexts = []
     # tensors inside lists, tuples and dicts too (a neck's feature list)
     inputs = watch_versions(tree_leaves((args, kwargs)))
-    watched = []  # what the recompute reads, filled after the forward
+    # what the recompute reads, as the forward leaves it (filled after it)
+    watched_inputs, params = [], parameter_record(self)
     context_fn = functools.partial(_context_fn, norms, policy,
                                    forward_contexts,
-                                   type(self).__name__, watched)
+                                   type(self).__name__, watched_inputs, params)
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
@@ -189,7 +190,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # parameters as the forward left them (Embedding(max_norm=...) writes
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
-    watched += watch_versions(self.parameters()) + inputs
+    watched_inputs += inputs
+    params[:] = watch_versions(self.parameters())
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(

@@ -250,7 +250,11 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
 
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
                     result: ConvBnEvalResult) -> None:
-    if 'forward' in vars(module) and not is_checkpointed(module):
+    inner = inner_forward(module)
+    own = getattr(inner, '__func__', None) is type(module).forward and \
+        getattr(inner, '__self__', None) is module
+    if 'forward' in vars(module) and not is_checkpointed(module) or \
+            not own:  # a wrapper, also one beneath mmdtr's checkpoint
         # found by an adversarial search: MMEngine's checkpointing was lost
         result.failures.append(
             (name, "its forward is replaced on the module (by MMEngine's "
@@ -284,8 +288,7 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
         return
     try:  # the trace runs only while what it read holds (found by an
         # adversarial search: a supernet's choice, identity=None, baked in)
-        forward = GuardedForward(module, gm.forward, inner_forward(module),
-                                 reads)
+        forward = GuardedForward(module, gm.forward, inner, reads)
     except TraceRefused as exc:
         result.failures.append((name, str(exc)))
         return

@@ -99,24 +99,30 @@ class RecomputeContext:
         guard (RunningStatsGuard): The guard of the module's norm layers.
         sac_context: The recompute context of a selective policy, or a
             null context.
-        watched (list): ``(tensor, version)`` of the module's parameters and
-            tensor inputs at the forward (:func:`watch_versions`).
+        inputs (list): ``(tensor, version)`` of the call's tensor inputs
+            as its forward left them (:func:`watch_versions`).
+        params (list): The same of the module's parameters, shared by its
+            calls (:func:`parameter_record`): each call's forward and
+            recompute updates it, so a module that writes its own weight
+            (``Embedding(max_norm=...)``), called twice, is not refused.
         owner (str): The module's class name, for the message.
     """
 
     def __init__(self,
                  guard: RunningStatsGuard,
                  sac_context,
-                 watched: Optional[list] = None,
+                 inputs: Optional[list] = None,
+                 params: Optional[list] = None,
                  owner: str = ''):
         self.guard = guard
         self.sac_context = sac_context
-        self.watched = watched if watched is not None else []
+        self.inputs = inputs if inputs is not None else []
+        self.params = params if params is not None else []
         self.owner = owner
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
-        written = written_since(self.watched)
+        written = written_since(self.inputs) or written_since(self.params)
         if written is not None:
             # found by an adversarial search: a step in backward of a
             # parameter read through .detach() came first, and the
@@ -138,8 +144,25 @@ class RecomputeContext:
 
     def __exit__(self, *exc_info) -> None:
         self._stacks.pop().__exit__(*exc_info)
-        # a second recompute (retain_graph) compares with this one's end
-        self.watched[:] = watch_versions(ref() for ref, _ in self.watched)
+        # a later recompute (retain_graph, another call) compares with
+        # this one's end
+        for watched in (self.inputs, self.params):
+            watched[:] = watch_versions(ref() for ref, _ in watched)
+
+
+#: module -> ``(tensor, version)`` of its parameters, shared by its calls
+_PARAMETER_VERSIONS = weakref.WeakKeyDictionary()
+
+
+def parameter_record(module: nn.Module) -> list:
+    """The ``(tensor, version)`` record of ``module``'s parameters that its
+    calls' :class:`RecomputeContext` share; each call's forward refreshes
+    it when it ends (``record[:] = watch_versions(module.parameters())``).
+    """
+    record = _PARAMETER_VERSIONS.get(module)
+    if record is None:
+        record = _PARAMETER_VERSIONS[module] = []
+    return record
 
 
 def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:

@@ -7,8 +7,8 @@ in, an argument left at its default (``identity=None``) was taken for a
 tensor, and attribute writes (``self.feat = ...``) are lost. This module
 records what the trace read and wrote, refuses a forward that writes, and
 installs a forward that runs the trace only while every attribute read
-still holds the value the trace saw and every argument is passed as a
-tensor, and the module's own forward otherwise.
+still holds the value the trace saw and every parameter is passed an
+argument other than ``None``, and the module's own forward otherwise.
 
 Not seen: module-level globals the code reads, and ``isinstance`` checks of
 an argument (a proxy is not a tensor).
@@ -16,6 +16,7 @@ an argument (a proxy is not a tensor).
 import copy
 import enum
 import inspect
+import re
 import types
 from typing import Callable, Dict, List, Tuple
 
@@ -26,6 +27,10 @@ import torch.nn as nn
 #: Attributes every module has: its parameters, buffers, children and
 #: hooks live in them, and ``training`` is traced in both modes instead.
 _MODULE_OWN = frozenset(vars(nn.Module())) | {'forward'}
+
+#: What torch.fx itself sets on the traced module: its constants
+#: (``_tensor_constant0``, ``_tree_spec_constant0``, ``_Foo_constant_0``).
+_FX_CONSTANT = re.compile(r'_\w+_constant_?\d+$')
 
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
               torch.device, enum.Enum, range, slice)
@@ -52,69 +57,98 @@ def _plain_data(value, depth=0) -> bool:
     return False
 
 
-class _Guard:
-    """One attribute the trace read, and how to tell it still holds:
-    equality with a copy (plain data), identity (tensors, functions)."""
-    __slots__ = ('name', 'value', 'by_identity')
+_ABSENT = object()  # an attribute the trace looked for and did not find
 
-    def __init__(self, name: str, value):
-        if _plain_data(value):
+
+class _Guard:
+    """One attribute the trace read (of the module or a sub-module), and
+    how to tell it still holds: equality with a copy (plain data), identity
+    (tensors, functions), still absent (``getattr(self, 'x', default)``)."""
+    __slots__ = ('owner', 'name', 'value', 'by_identity')
+
+    def __init__(self, owner: nn.Module, name: str, value):
+        if value is _ABSENT:
+            self.value, self.by_identity = value, True
+        elif _plain_data(value):
             self.value, self.by_identity = copy.deepcopy(value), False
         elif isinstance(value, (torch.Tensor, ) + _CALLABLES):
             self.value, self.by_identity = value, True
         else:
             raise TraceRefused(
-                f'its own forward reads self.{name}, a '
+                f'its own forward reads {type(owner).__name__}.{name}, a '
                 f'{type(value).__name__}, whose later changes a trace '
                 'would not see')
-        self.name = name
+        self.owner, self.name = owner, name
 
-    def holds(self, attributes: dict) -> bool:
-        missing = object()
-        now = attributes.get(self.name, missing)
+    def holds(self) -> bool:
+        owner = self.owner
+        now = owner.__dict__.get(self.name, _ABSENT)
+        if self.value is _ABSENT:
+            return now is _ABSENT and not any(
+                self.name in owner.__dict__[d]
+                for d in ('_parameters', '_buffers', '_modules'))
         if self.by_identity:
             return now is self.value
-        return now is not missing and type(now) is type(self.value) and \
+        return now is not _ABSENT and type(now) is type(self.value) and \
             now == self.value
 
 
+def _is_watched(name: str) -> bool:
+    return name not in _MODULE_OWN and not name.startswith('__')
+
+
 def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
-                  ) -> Tuple[fx.Graph, Dict[str, object]]:
+                  ) -> Tuple[fx.Graph, Dict[tuple, object]]:
     """Run ``trace()`` while recording the plain attributes of ``module``
-    its code reads; refuse a write to any attribute of it.
+    and its sub-modules its code reads (a child's flag too), and those it
+    looked for and did not find; refuse a write to an attribute of
+    ``module``.
 
     Returns:
-        tuple: The graph, and ``{name: value}`` of the attributes read.
+        tuple: The graph, and ``{(owner, name): value}`` of the attributes
+        read (``_ABSENT`` for those not found).
 
     Raises:
         TraceRefused: If the forward writes an attribute of the module.
     """
     reads, writes = {}, []
-    cls = type(module)
+    classes = {m: type(m) for m in module.modules()}
 
     def read(self, name):
         value = object.__getattribute__(self, name)
-        if self is module and name not in _MODULE_OWN and \
-                not name.startswith('__') and \
+        if _is_watched(name) and \
                 name in object.__getattribute__(self, '__dict__'):
-            reads.setdefault(name, value)
+            reads.setdefault((self, name), value)
         return value
 
+    def missing(self, name):
+        try:  # parameters, buffers and sub-modules are found here
+            return classes[self].__getattr__(self, name)
+        except AttributeError:
+            if _is_watched(name):
+                reads.setdefault((self, name), _ABSENT)
+            raise
+
     def write(self, name, value):
-        if self is not module:
-            cls.__setattr__(self, name, value)
+        if self is not module or _FX_CONSTANT.match(name):
+            classes[self].__setattr__(self, name, value)  # fx's constants
         else:  # not made: the module keeps its state, and is refused
             writes.append(name)
 
-    watcher = type(
-        cls.__name__, (cls, ), {
-            '__getattribute__': read,
-            '__setattr__': write,
-            '__module__': cls.__module__
-        })
+    swapped = []
     try:
-        module.__class__ = watcher
+        for m, cls in classes.items():
+            m.__class__ = type(
+                cls.__name__, (cls, ), {
+                    '__getattribute__': read,
+                    '__getattr__': missing,
+                    '__setattr__': write,
+                    '__module__': cls.__module__
+                })
+            swapped.append(m)
     except TypeError as exc:  # __slots__ and the like
+        for m in swapped:
+            object.__setattr__(m, '__class__', classes[m])
         raise TraceRefused(f'its class cannot be watched ({exc})') from None
     try:
         graph = trace()
@@ -122,7 +156,8 @@ def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
         if not writes:
             raise
     finally:
-        object.__setattr__(module, '__class__', cls)
+        for m in swapped:
+            object.__setattr__(m, '__class__', classes[m])
     if writes:  # the trace may have failed on the write it did not make
         raise TraceRefused(
             f'its own forward sets self.{writes[0]}, which a trace would '
@@ -133,7 +168,8 @@ def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
 class GuardedForward:
     """A forward for ``module`` that calls ``traced`` while the attributes
     ``reads`` (from :func:`watched_trace`) hold and every parameter of the
-    module's forward is passed a tensor, and ``fallback`` otherwise.
+    module's forward is passed an argument other than ``None``, and
+    ``fallback`` otherwise.
 
     An object, not a closure: a deep copy of the module (``copy.deepcopy``,
     EMA models) copies it along and runs the copy's trace and forward.
@@ -151,7 +187,10 @@ class GuardedForward:
     def __init__(self, module: nn.Module, traced: Callable, fallback: Callable,
                  reads: Dict[str, object]):
         self.module, self.traced, self.fallback = module, traced, fallback
-        self.guards = [_Guard(name, value) for name, value in reads.items()]
+        self.guards = [
+            _Guard(owner, name, value)
+            for (owner, name), value in reads.items()
+        ]
         params = list(
             inspect.signature(type(module).forward).parameters.values())[1:]
         self.fixed = [
@@ -164,18 +203,18 @@ class GuardedForward:
         return self.traced.__self__
 
     def __call__(self, *args, **kwargs):
-        attributes = self.module.__dict__
-        if all(g.holds(attributes) for g in self.guards) and \
-                _all_tensors_passed(self.fixed, args, kwargs):
+        if all(g.holds() for g in self.guards) and \
+                _all_passed(self.fixed, args, kwargs):
             return self.traced(*args, **kwargs)
         return self.fallback(*args, **kwargs)
 
 
-def _all_tensors_passed(fixed: List[str], args: tuple, kwargs: dict) -> bool:
-    """Whether each named parameter got an argument and every argument is a
-    tensor: the trace took each for one."""
+def _all_passed(fixed: List[str], args: tuple, kwargs: dict) -> bool:
+    """Whether each named parameter got an argument, none of them ``None``:
+    the trace took each for a value (a proxy), so a default or a ``None``
+    would meet a branch the trace fixed (``if identity is None``)."""
     if len(args) + len(kwargs) < len(fixed) or not all(
             name in kwargs for name in fixed[len(args):]):
         return False
-    return all(isinstance(a, torch.Tensor) for a in args) and all(
-        isinstance(v, torch.Tensor) for v in kwargs.values())
+    return all(a is not None for a in args) and all(v is not None
+                                                    for v in kwargs.values())

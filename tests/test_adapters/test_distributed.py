@@ -1,4 +1,5 @@
 """Distributed training on CPU with gloo: in process, and two processes."""
+import os
 import uuid
 
 import pytest
@@ -188,6 +189,16 @@ def test_init_cpu_dist_refuses_a_bad_environment(single_rank_env, monkeypatch,
     with pytest.raises(MmdtrError, match=match):
         init_cpu_dist('pytorch')
     assert not torch_dist.is_initialized()
+
+
+def test_init_cpu_dist_with_an_init_method_needs_no_master_address(
+        single_rank_env, monkeypatch):
+    # the check of MASTER_ADDR refused an explicit init_method (a review)
+    port = os.environ['MASTER_PORT']
+    monkeypatch.delenv('MASTER_ADDR')
+    monkeypatch.delenv('MASTER_PORT')
+    init_cpu_dist('pytorch', init_method=f'tcp://127.0.0.1:{port}')
+    assert torch_dist.get_world_size() == 1
 
 
 @cpu_only

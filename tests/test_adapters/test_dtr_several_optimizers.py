@@ -210,8 +210,7 @@ def test_separate_ddp_with_two_optimizers_under_dtr_on_cpu(
     # each sub-module's DDP and failed on CPU; a run per rank is bit for bit
     # the same steps as one process (a gloo group of one here; two processes
     # were checked by an adversarial search)
-    from mmdtr.adapters.distributed import \
-        MMDTRSeparateDistributedDataParallel
+    from mmdtr.adapters.distributed import MMDTRSeparateDistributedDataParallel
     sgd = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
 
     def run(name, **keys):

@@ -314,18 +314,15 @@ def test_dist_train_refuses_bad_settings(toy_config, name, value, tmp_path):
     assert proc.stderr.count('\n') == 1
 
 
-def test_dist_train_refuses_a_launcher_argument(toy_config, tmp_path):
-    # '--launcher none' overrode the script's: independent runs, exit 0
+@pytest.mark.parametrize('flag', ['--launcher', '--launch', '--la'])
+def test_dist_train_refuses_a_launcher_argument(toy_config, tmp_path, flag):
+    # '--launcher none' (or a prefix argparse takes) overrode the script's:
+    # independent runs, exit 0 (found by an adversarial search, a review)
     proc = run_dist_train(
-        tmp_path,
-        toy_config,
-        '1',
-        '--launcher',
-        'none',
-        env={'PYTHON': 'false'})
+        tmp_path, toy_config, '1', flag, 'none', env={'PYTHON': 'false'})
     assert proc.returncode == 1
     assert proc.stderr.startswith(
-        "MmdtrError: mmdtr: '--launcher' is not accepted here")
+        f"MmdtrError: mmdtr: '{flag}' is not accepted here")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
