@@ -6,6 +6,7 @@ DTR: losses, parameters, BatchNorm buffers, momenta and the global RNG
 stream bit for bit.
 """
 import copy
+import functools
 import uuid
 
 import pytest
@@ -174,26 +175,28 @@ def test_two_optimizers_bit_identical_under_dtr():
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
+def _train_gan(toy_runner_cfg, tmp_path, name, **keys):
+    """Train DTRToyGAN with one SGD per sub-module; ``keys`` override."""
     sgd = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+    cfg = toy_runner_cfg(
+        tmp_path / name,
+        'DTRToyGAN',
+        'DTRToyImages',
+        name,
+        optim_wrapper=dict(
+            constructor='PerSubmoduleOptimWrapperConstructor',
+            generator=sgd,
+            discriminator=sgd),
+        log_level='WARNING',
+        randomness=dict(seed=1),
+        **keys)
+    runner = MMDTRRunner.from_cfg(cfg)
+    runner.train()
+    return runner
 
-    def run(name, **keys):
-        cfg = toy_runner_cfg(
-            tmp_path / name,
-            'DTRToyGAN',
-            'DTRToyImages',
-            name,
-            optim_wrapper=dict(
-                constructor='PerSubmoduleOptimWrapperConstructor',
-                generator=sgd,
-                discriminator=sgd),
-            log_level='WARNING',
-            randomness=dict(seed=1),
-            **keys)
-        runner = MMDTRRunner.from_cfg(cfg)
-        runner.train()
-        return runner
 
+def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
+    run = functools.partial(_train_gan, toy_runner_cfg, tmp_path)
     plain = run('plain')
     dtr = run('dtr', dtr=DTR_CFG)
     assert isinstance(dtr.optim_wrapper, OptimWrapperDict)
@@ -211,25 +214,7 @@ def test_separate_ddp_with_two_optimizers_under_dtr_on_cpu(
     # the same steps as one process (a gloo group of one here; two processes
     # were checked by an adversarial search)
     from mmdtr.adapters.distributed import MMDTRSeparateDistributedDataParallel
-    sgd = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
-
-    def run(name, **keys):
-        cfg = toy_runner_cfg(
-            tmp_path / name,
-            'DTRToyGAN',
-            'DTRToyImages',
-            name,
-            optim_wrapper=dict(
-                constructor='PerSubmoduleOptimWrapperConstructor',
-                generator=sgd,
-                discriminator=sgd),
-            log_level='WARNING',
-            randomness=dict(seed=1),
-            **keys)
-        runner = MMDTRRunner.from_cfg(cfg)
-        runner.train()
-        return runner
-
+    run = functools.partial(_train_gan, toy_runner_cfg, tmp_path)
     plain = run('plain')
     dtr = run(
         'dtr',
