@@ -82,8 +82,8 @@ class _CheckedRecompute:
 
 
 def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
-                forward_contexts: list, owner: str, inputs: list,
-                params: list) -> Tuple[object, object]:
+                forward_contexts: list, owner: str, inputs: list, params,
+                generation: list) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
             save_policy(policy))
@@ -92,7 +92,7 @@ def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
     else:
         fwd, recompute = nullcontext(), nullcontext()
     return fwd, RecomputeContext(
-        RunningStatsGuard(norms), recompute, inputs, params, owner)
+        RunningStatsGuard(norms), recompute, inputs, params, generation, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -152,10 +152,12 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # tensors inside lists, tuples and dicts too (a neck's feature list)
     inputs = watch_versions(tree_leaves((args, kwargs)))
     # what the recompute reads, as the forward leaves it (filled after it)
-    watched_inputs, params = [], parameter_record(self)
+    watched_inputs, params, generation = [], parameter_record(self), [0]
+    params.note_forward(self)
     context_fn = functools.partial(_context_fn, norms, policy,
                                    forward_contexts,
-                                   type(self).__name__, watched_inputs, params)
+                                   type(self).__name__, watched_inputs, params,
+                                   generation)
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
@@ -191,7 +193,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
     watched_inputs += inputs
-    params[:] = watch_versions(self.parameters())
+    params.update(self)
+    generation[0] = params.generation
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(

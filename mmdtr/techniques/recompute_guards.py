@@ -101,10 +101,10 @@ class RecomputeContext:
             null context.
         inputs (list): ``(tensor, version)`` of the call's tensor inputs
             as its forward left them (:func:`watch_versions`).
-        params (list): The same of the module's parameters, shared by its
-            calls (:func:`parameter_record`): each call's forward and
-            recompute updates it, so a module that writes its own weight
-            (``Embedding(max_norm=...)``), called twice, is not refused.
+        params (ParameterRecord): The module's parameter versions, shared
+            by its calls (:func:`parameter_record`).
+        generation (list): One element, the record's generation when this
+            call's forward ended (set then).
         owner (str): The module's class name, for the message.
     """
 
@@ -112,17 +112,20 @@ class RecomputeContext:
                  guard: RunningStatsGuard,
                  sac_context,
                  inputs: Optional[list] = None,
-                 params: Optional[list] = None,
+                 params: Optional['ParameterRecord'] = None,
+                 generation: Optional[list] = None,
                  owner: str = ''):
         self.guard = guard
         self.sac_context = sac_context
         self.inputs = inputs if inputs is not None else []
-        self.params = params if params is not None else []
+        self.params = params if params is not None else ParameterRecord()
+        self.generation = generation if generation is not None else [0]
         self.owner = owner
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
-        written = written_since(self.inputs) or written_since(self.params)
+        written = written_since(self.inputs) or \
+            self.params.written_since(self.generation[0])
         if written is not None:
             # found by an adversarial search: a step in backward of a
             # parameter read through .detach() came first, and the
@@ -146,22 +149,56 @@ class RecomputeContext:
         self._stacks.pop().__exit__(*exc_info)
         # a later recompute (retain_graph, another call) compares with
         # this one's end
-        for watched in (self.inputs, self.params):
-            watched[:] = watch_versions(ref() for ref, _ in watched)
+        self.inputs[:] = watch_versions(ref() for ref, _ in self.inputs)
+        self.params.update()
 
 
-#: module -> ``(tensor, version)`` of its parameters, shared by its calls
+class ParameterRecord:
+    """The versions of a checkpointed module's parameters as its latest
+    forward or recompute left them, shared by its calls.
+
+    Its own writes (``Embedding(max_norm=...)`` renormalizes its weight in
+    each forward and recompute) move the record along; a write by anything
+    else is seen at the module's next forward (the generation changes: the
+    calls before it may not recompute) or at a recompute (found by
+    adversarial searches and a review: a parameter stepped in backward, or
+    written between two calls, was read by the earlier call's recompute).
+    """
+
+    def __init__(self):
+        self.watched, self.generation = [], 0
+
+    def update(self, module: Optional[nn.Module] = None) -> None:
+        tensors = module.parameters() if module is not None else (
+            ref() for ref, _ in self.watched)
+        self.watched = watch_versions(tensors)
+
+    def note_forward(self, module: nn.Module) -> None:
+        """At a forward's start: a write since the record is not the
+        module's own."""
+        if written_since(self.watched) is not None:
+            self.generation += 1
+        self.update(module)
+
+    def written_since(self, generation: int) -> Optional[torch.Tensor]:
+        """A parameter written since the record, or since the call of
+        ``generation`` (any one of them: the message names its shape)."""
+        written = written_since(self.watched)
+        if written is None and generation != self.generation:
+            ref = next(iter(self.watched), (lambda: None, 0))[0]
+            written = ref()
+        return written
+
+
+#: module -> its :class:`ParameterRecord`
 _PARAMETER_VERSIONS = weakref.WeakKeyDictionary()
 
 
-def parameter_record(module: nn.Module) -> list:
-    """The ``(tensor, version)`` record of ``module``'s parameters that its
-    calls' :class:`RecomputeContext` share; each call's forward refreshes
-    it when it ends (``record[:] = watch_versions(module.parameters())``).
-    """
+def parameter_record(module: nn.Module) -> ParameterRecord:
+    """The :class:`ParameterRecord` of ``module``'s calls."""
     record = _PARAMETER_VERSIONS.get(module)
     if record is None:
-        record = _PARAMETER_VERSIONS[module] = []
+        record = _PARAMETER_VERSIONS[module] = ParameterRecord()
     return record
 
 

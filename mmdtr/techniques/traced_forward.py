@@ -16,6 +16,7 @@ an argument (a proxy is not a tensor).
 import copy
 import enum
 import inspect
+import itertools
 import re
 import types
 from typing import Callable, Dict, List, Tuple
@@ -57,7 +58,18 @@ def _plain_data(value, depth=0) -> bool:
     return False
 
 
-_ABSENT = object()  # an attribute the trace looked for and did not find
+class _Absent:
+    """An attribute the trace looked for and did not find; one object, also
+    in deep copies (an EMA model's guards compare with it)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return '_ABSENT'
+
+
+_ABSENT = _Absent()
 
 
 class _Guard:
@@ -114,8 +126,8 @@ def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
     reads, writes = {}, []
     classes = {m: type(m) for m in module.modules()}
 
-    def read(self, name):
-        value = object.__getattribute__(self, name)
+    def read(self, name):  # through the class's own (a child may have one)
+        value = classes[self].__getattribute__(self, name)
         if _is_watched(name) and \
                 name in object.__getattribute__(self, '__dict__'):
             reads.setdefault((self, name), value)
@@ -191,6 +203,9 @@ class GuardedForward:
             _Guard(owner, name, value)
             for (owner, name), value in reads.items()
         ]
+        # the sub-modules the trace calls: one replaced (an activation, a
+        # downsample set to None) would not run in the trace (a review)
+        self.children = list(module.named_modules())
         params = list(
             inspect.signature(type(module).forward).parameters.values())[1:]
         self.fixed = [
@@ -204,9 +219,20 @@ class GuardedForward:
 
     def __call__(self, *args, **kwargs):
         if all(g.holds() for g in self.guards) and \
-                _all_passed(self.fixed, args, kwargs):
+                _all_passed(self.fixed, args, kwargs) and \
+                _same_modules(self.children, self.module):
             return self.traced(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+
+def _same_modules(children: list, module: nn.Module) -> bool:
+    """Whether ``module``'s sub-modules are still ``children``."""
+    end = (None, None)
+    for (name, child), (name_now, child_now) in itertools.zip_longest(
+            children, module.named_modules(), fillvalue=end):
+        if name != name_now or child is not child_now:
+            return False
+    return True
 
 
 def _all_passed(fixed: List[str], args: tuple, kwargs: dict) -> bool:

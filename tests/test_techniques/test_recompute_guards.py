@@ -226,3 +226,20 @@ def test_parameter_written_by_the_forward_itself_is_not_refused(calls):
         grads.append([p.grad for p in net.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_parameter_written_between_two_calls_is_refused():
+    # the second call's forward refreshed the record the calls share, and
+    # the first call's recompute read the new weight (found by a review)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    apply_activation_checkpointing(model, '0')
+    x = torch.randn(2, 4)
+    loss = model(x).sum()
+    with torch.no_grad():
+        model[0][0].weight.mul_(2)
+    loss = loss + model(x).sum()
+    with pytest.raises(
+            MmdtrError,
+            match='written in place between its '
+            'forward and its recomputation'):
+        loss.backward()

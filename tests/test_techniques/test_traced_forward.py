@@ -237,3 +237,37 @@ def test_a_wrapper_beneath_mmdtrs_checkpoint_is_left_unfused():
     with pytest.warns(UserWarning, match='its forward is replaced'):
         (result, ) = apply_efficient_conv_bn_eval(model, '0', fused)
     assert result.fused_pairs == 0 and torch.equal(model(x), before)
+
+
+class _WithDownsample(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.act, self.downsample = nn.ReLU(), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x)))
+        if self.downsample is not None:
+            x = self.downsample(x)
+        return y + x + getattr(self, 'extra', 0)
+
+
+@pytest.mark.parametrize('change', ['act', 'downsample'])
+def test_a_replaced_child_runs_the_modules_own_forward(change):
+    # the trace kept calling the old child (found by a review)
+    plain, model = _pair(_WithDownsample)
+    _fuse(model)
+    for net in (plain, model):
+        setattr(net, change, nn.Identity() if change == 'act' else None)
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+
+
+def test_guards_of_a_deep_copy_hold():
+    # an absent attribute's marker was copied, so a copy never ran fused
+    _, model = _pair(_WithDownsample)
+    _fuse(model)
+    twin = copy.deepcopy(model)
+    guards = twin.__dict__['forward'].guards
+    assert guards and all(g.holds() for g in guards)
