@@ -333,7 +333,9 @@ class MMDTRRunner(Runner):
         """
         if (self.distributed and not is_distributed()
                 and get_device() == 'cpu'):
-            init_cpu_dist(self.launcher, **env_cfg.get('dist_cfg', {}))
+            # None for either is MMEngine's default, as left out
+            init_cpu_dist(self.launcher,
+                          **((env_cfg or {}).get('dist_cfg', None) or {}))
         super().setup_env(env_cfg)
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict],
@@ -370,6 +372,10 @@ class MMDTRRunner(Runner):
         :attr:`cpu_model_wrapper`, its subclass without them, is used."""
         cfg = dict(cfg)
         name = cfg.get('type', 'MMDistributedDataParallel')
+        if isinstance(name, type):  # MMEngine's wrap_model takes names
+            scope = 'mmdtr.' if MODEL_WRAPPERS.get(name.__name__) is name \
+                and MODEL_WRAPPERS.parent.get(name.__name__) is None else ''
+            name = cfg['type'] = scope + name.__name__
         if name in ('MMDistributedDataParallel',
                     'mmengine.MMDistributedDataParallel') and on_cpu:
             cfg['type'] = self.cpu_model_wrapper

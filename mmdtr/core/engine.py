@@ -9,6 +9,7 @@ methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
 :mod:`.foreign_memory`. The rules cited as R1..R14 are in docs/design.md.
 """
 import contextlib
+import os
 import random
 import threading
 
@@ -32,6 +33,15 @@ _OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 # lock; with a lock per engine, two threads doing so at once deadlocked.
 # It is let go while the kernel of an op writing no argument runs.
 _LOCK = threading.RLock()
+if hasattr(os, 'register_at_fork'):
+    # a fork (DataLoader workers) while another thread held the lock left
+    # the child's copy held by no thread: its first op under the engine it
+    # inherited waited forever (found by a review). The forking thread takes
+    # the lock first; parent and child let it go.
+    os.register_at_fork(
+        before=_LOCK.acquire,
+        after_in_parent=_LOCK.release,
+        after_in_child=_LOCK.release)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Distributed training on CPU with gloo: in process, and two processes."""
 import os
+import types
 import uuid
 
 import pytest
@@ -254,3 +255,37 @@ def test_two_process_gloo_run(tmp_path, dist_train):
     assert ckpt['meta']['iter'] == 3
     for key, value in ckpt['state_dict'].items():
         assert torch.equal(value, ranks[0]['state'][key]), key
+
+
+def test_wrapper_classes_are_given_by_name():
+    # MMEngine's wrap_model looks the type up by name: a class raised a raw
+    # TypeError (found by a review); on CPU MMEngine's own become mmdtr's
+    from mmengine.model import MMSeparateDistributedDataParallel
+    runner = types.SimpleNamespace(
+        cpu_model_wrapper=MMDTRRunner.cpu_model_wrapper)
+    for cls, on_cpu, name in [
+        (MMDistributedDataParallel, True, MMDTRRunner.cpu_model_wrapper),
+        (MMSeparateDistributedDataParallel, True,
+         'mmdtr.MMDTRSeparateDistributedDataParallel'),
+        (MMDistributedDataParallel, False, 'MMDistributedDataParallel'),
+        (DTRDistributedDataParallel, False,
+         'mmdtr.DTRDistributedDataParallel'),
+    ]:
+        cfg = MMDTRRunner._resolvable_wrapper(runner, dict(type=cls), on_cpu)
+        assert cfg == dict(type=name), cls
+
+
+@cpu_only
+def test_dist_cfg_none_is_left_out(single_rank_env, tmp_path):
+    # a TypeError in setup_env, after the check had read None as {}
+    # (found by a review)
+    runner = MMDTRRunner.from_cfg(
+        dict(
+            model=dict(type='LinearToyModel'),
+            work_dir=str(tmp_path),
+            experiment_name=f'dist_{uuid.uuid4().hex}',
+            launcher='pytorch',
+            env_cfg=dict(dist_cfg=None),
+            log_level='WARNING'))
+    assert torch_dist.get_backend() == 'gloo'
+    assert type(runner.model) is MMDTRDistributedDataParallel

@@ -1,5 +1,6 @@
 """A graph backpropagated in another thread while the engine's thread goes
 on (R12)."""
+import os
 import threading
 
 import pytest
@@ -75,3 +76,28 @@ def test_a_write_in_scope_is_not_read_mid_write_by_a_backward_thread(subclass):
     got, engine = _step(True, subclass)
     assert engine.stats.recomputations > 0
     assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not hasattr(os, 'fork'), reason='needs fork')
+def test_a_fork_while_another_thread_holds_the_lock_leaves_it_free():
+    # DataLoader workers forked while a thread held the engines' lock for
+    # an in-place op: the child's copy stayed held, and its first op under
+    # the engine it inherited waited forever (found by a review)
+    from mmdtr.core.engine import _LOCK
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _LOCK:
+            held.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    threading.Timer(0.3, release.set).start()  # the fork waits for it
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if the lock is free
+        os._exit(0 if _LOCK.acquire(timeout=2) else 1)
+    _, status = os.waitpid(pid, 0)
+    thread.join()
+    assert os.WEXITSTATUS(status) == 0
