@@ -87,6 +87,18 @@ def test_runner_uses_gloo_and_cpu_wrapper(single_rank_env, tmp_path,
     assert runner.iter == 2
 
 
+def _toy_dist_runner(tmp_path, **keys):
+    """MMDTRRunner of LinearToyModel with launcher='pytorch'."""
+    return MMDTRRunner.from_cfg(
+        dict(
+            model=dict(type='LinearToyModel'),
+            work_dir=str(tmp_path),
+            experiment_name=f'dist_{uuid.uuid4().hex}',
+            launcher='pytorch',
+            log_level='WARNING',
+            **keys))
+
+
 @cpu_only
 @pytest.mark.parametrize(
     'wrapper, expected', [
@@ -103,21 +115,14 @@ def test_runner_uses_gloo_and_cpu_wrapper(single_rank_env, tmp_path,
 def test_model_wrapper_cfg_is_built_on_cpu(single_rank_env, tmp_path, wrapper,
                                            expected):
     # used as given, but for what failed in every rank while the runner was
-    # built: MMEngine's DDP
-    # wrapper (also its default) passes CUDA device_ids; a plain name of
+    # built: MMEngine's DDP wrapper (also its default) passes CUDA
+    # device_ids; a plain name of
     # mmdtr's is not in MMEngine's root registry, whatever the scope
     # (found by an adversarial search; configs/spos_synthetic.py's header
     # gives the MMEngine form)
     init_cpu_dist('pytorch')
-    runner = MMDTRRunner.from_cfg(
-        dict(
-            model=dict(type='LinearToyModel'),
-            work_dir=str(tmp_path),
-            experiment_name=f'dist_{uuid.uuid4().hex}',
-            default_scope='mmdtr',
-            launcher='pytorch',
-            model_wrapper_cfg=wrapper,
-            log_level='WARNING'))
+    runner = _toy_dist_runner(
+        tmp_path, default_scope='mmdtr', model_wrapper_cfg=wrapper)
     assert type(runner.model) is expected
     assert runner.model.find_unused_parameters
 
@@ -279,13 +284,6 @@ def test_wrapper_classes_are_given_by_name():
 def test_dist_cfg_none_is_left_out(single_rank_env, tmp_path):
     # a TypeError in setup_env, after the check had read None as {}
     # (found by a review)
-    runner = MMDTRRunner.from_cfg(
-        dict(
-            model=dict(type='LinearToyModel'),
-            work_dir=str(tmp_path),
-            experiment_name=f'dist_{uuid.uuid4().hex}',
-            launcher='pytorch',
-            env_cfg=dict(dist_cfg=None),
-            log_level='WARNING'))
+    runner = _toy_dist_runner(tmp_path, env_cfg=dict(dist_cfg=None))
     assert torch_dist.get_backend() == 'gloo'
     assert type(runner.model) is MMDTRDistributedDataParallel
