@@ -250,8 +250,7 @@ def check_scoped_type(where: str, entry: dict, registry,
     scope = entry.get('_scope_', None) or default_scope
     if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
         return
-    if name in registry.module_dict and name not in \
-            registry.parent.module_dict and \
+    if mmdtr_only(registry, name) and \
             _scope_registry(registry, scope).get(name) is None:
         where_scope = f'scope {scope!r}' if scope else \
             "scope (no default_scope: MMEngine's)"
@@ -261,6 +260,23 @@ def check_scoped_type(where: str, entry: dict, registry,
             'it there.',
             hint=f"write type='mmdtr.{name}' (or set default_scope="
             "'mmdtr').")
+
+
+def mmdtr_only(registry, name: str) -> bool:
+    """Whether ``name`` (no scope) is registered in mmdtr's ``registry``
+    and not in MMEngine's root one, which MMEngine looks in without a
+    scope."""
+    return name in registry.module_dict and \
+        name not in registry.parent.module_dict
+
+
+def refuse_unless_dict(key: str, value, takes: str, hint: str) -> None:
+    """Refuse a config ``value`` of ``key`` that is not a dict (``None``
+    passes: left out)."""
+    if value is not None and not isinstance(value, dict):
+        raise MmdtrError(
+            f'{key}={value!r} is not accepted: MMEngine takes {takes}.',
+            hint=hint)
 
 
 def _check_type_value(where: str, name) -> None:

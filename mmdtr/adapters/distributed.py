@@ -76,8 +76,7 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
     kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
     if backend == 'nccl':
         backend = 'gloo'
-    if backend not in _CPU_BACKENDS or (backend == 'mpi'
-                                        and not torch_dist.is_mpi_available()):
+    if backend not in _available_backends():
         raise MmdtrError(
             f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU here; '
             f'accepted: {_available_backends()} (or nccl, which means '
@@ -107,6 +106,25 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
                 (f'; closest match: {close[0]!r}.' if close else '.'),
                 hint='see init_cpu_dist in mmdtr/adapters/distributed.py.')
     return backend, kwargs
+
+
+def dist_cfg_of(env_cfg) -> dict:
+    """``env_cfg.dist_cfg`` as keyword arguments for
+    :func:`init_cpu_dist`; ``None`` for either is left out (MMEngine's
+    default).
+
+    Raises:
+        MmdtrError: If ``env_cfg`` is not a dict with a dict ``dist_cfg``.
+    """
+    env_cfg = env_cfg or {}
+    dist_cfg = env_cfg.get('dist_cfg', None) or {} if isinstance(
+        env_cfg, dict) else None
+    if not isinstance(dist_cfg, dict):
+        raise MmdtrError(
+            f'env_cfg={env_cfg!r} is not accepted: MMEngine takes a dict '
+            'with a dist_cfg dict.',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
+    return dist_cfg
 
 
 def _env_int(name: str, launcher: str) -> int:

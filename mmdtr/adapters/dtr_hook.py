@@ -27,7 +27,7 @@ from mmdtr.dtr import DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
 from .config_translation import (check_scoped_type, config_check, hook_name,
-                                 memory_key)
+                                 memory_key, refuse_unless_dict)
 from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
                                 dtr_settings, model_device)
 
@@ -94,14 +94,12 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
     """
     hooks = [h for h in custom_hooks if hook_name(h) == 'DTRHook']
     wrapper = cfg.get('model_wrapper_cfg', None)
-    if wrapper is not None and not isinstance(wrapper, dict):
-        raise MmdtrError(
-            f'model_wrapper_cfg={wrapper!r} is not accepted: MMEngine takes '
-            'a dict.',
-            hint="e.g. model_wrapper_cfg=dict(type='mmdtr."
-            "DTRDistributedDataParallel', dtr=dict(eviction_threshold="
-            "'3GB')); on the command line set its keys: "
-            'model_wrapper_cfg.type=...')
+    refuse_unless_dict(
+        'model_wrapper_cfg', wrapper, 'a dict',
+        "e.g. model_wrapper_cfg=dict(type='mmdtr."
+        "DTRDistributedDataParallel', dtr=dict(eviction_threshold="
+        "'3GB')); on the command line set its keys: "
+        'model_wrapper_cfg.type=...')
     if isinstance(wrapper, dict):
         check_scoped_type('model_wrapper_cfg', wrapper, MODEL_WRAPPERS,
                           cfg.get('default_scope', None))

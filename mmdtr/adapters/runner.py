@@ -37,8 +37,9 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS, OPTIM_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import (SOURCE_ATTR, check_scoped_type, config_check,
+                                 mmdtr_only, refuse_unless_dict,
                                  translate_memory_keys)
-from .distributed import check_cpu_dist_cfg, init_cpu_dist
+from .distributed import check_cpu_dist_cfg, dist_cfg_of, init_cpu_dist
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)
@@ -128,15 +129,7 @@ def check_cpu_distributed(cfg, custom_hooks: list) -> None:
     """
     if cfg.get('launcher', 'none') in (None, 'none') or get_device() != 'cpu':
         return
-    env_cfg = cfg.get('env_cfg', None) or {}
-    dist_cfg = env_cfg.get('dist_cfg', None) or {} if isinstance(
-        env_cfg, dict) else None
-    if not isinstance(dist_cfg, dict):
-        raise MmdtrError(
-            f'env_cfg={env_cfg!r} is not accepted: MMEngine takes a dict '
-            'with a dist_cfg dict.',
-            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
-    check_cpu_dist_cfg(**dist_cfg)
+    check_cpu_dist_cfg(**dist_cfg_of(cfg.get('env_cfg', None)))
     sync_bn = cfg.get('sync_bn', None)
     if sync_bn is not None:
         raise MmdtrError(
@@ -161,13 +154,12 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
     distributed = cfg.get('launcher', 'none') not in (None, 'none')
     default_scope = cfg.get('default_scope', None)
     optim_wrapper = cfg.get('optim_wrapper', None)
-    if optim_wrapper is not None and not isinstance(optim_wrapper, dict):
-        raise MmdtrError(
-            f'optim_wrapper={optim_wrapper!r} is not accepted: MMEngine '
-            'takes a dict (or a dict of them, one per optimizer).',
-            hint="e.g. optim_wrapper=dict(type='OptimWrapper', "
-            "optimizer=dict(type='SGD', lr=0.01)); on the command line "
-            'set its keys: optim_wrapper.type=InplaceOptimWrapper.')
+    refuse_unless_dict(
+        'optim_wrapper', optim_wrapper,
+        'a dict (or a dict of them, one per optimizer)',
+        "e.g. optim_wrapper=dict(type='OptimWrapper', "
+        "optimizer=dict(type='SGD', lr=0.01)); on the command line "
+        'set its keys: optim_wrapper.type=InplaceOptimWrapper.')
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
     for wrapper in _wrapper_cfgs(optim_wrapper):
@@ -333,9 +325,7 @@ class MMDTRRunner(Runner):
         """
         if (self.distributed and not is_distributed()
                 and get_device() == 'cpu'):
-            # None for either is MMEngine's default, as left out
-            init_cpu_dist(self.launcher,
-                          **((env_cfg or {}).get('dist_cfg', None) or {}))
+            init_cpu_dist(self.launcher, **dist_cfg_of(env_cfg))
         super().setup_env(env_cfg)
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict],
@@ -373,9 +363,7 @@ class MMDTRRunner(Runner):
         cfg = dict(cfg)
         name = cfg.get('type', 'MMDistributedDataParallel')
         if isinstance(name, type):  # MMEngine's wrap_model takes names
-            scope = 'mmdtr.' if MODEL_WRAPPERS.get(name.__name__) is name \
-                and MODEL_WRAPPERS.parent.get(name.__name__) is None else ''
-            name = cfg['type'] = scope + name.__name__
+            name = cfg['type'] = name.__name__  # scoped below if mmdtr's
         if name in ('MMDistributedDataParallel',
                     'mmengine.MMDistributedDataParallel') and on_cpu:
             cfg['type'] = self.cpu_model_wrapper
@@ -383,9 +371,7 @@ class MMDTRRunner(Runner):
                       'mmengine.MMSeparateDistributedDataParallel') \
                 and on_cpu:  # the same, for each sub-module (GANs)
             cfg['type'] = 'mmdtr.MMDTRSeparateDistributedDataParallel'
-        elif isinstance(name, str) and '.' not in name and \
-                MODEL_WRAPPERS.get(name) is not None and \
-                MODEL_WRAPPERS.parent.get(name) is None:
+        elif isinstance(name, str) and mmdtr_only(MODEL_WRAPPERS, name):
             cfg['type'] = f'mmdtr.{name}'
         return cfg
 

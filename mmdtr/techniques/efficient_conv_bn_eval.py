@@ -250,11 +250,11 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
 
 def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
                     result: ConvBnEvalResult) -> None:
-    inner = inner_forward(module)
-    own = getattr(inner, '__func__', None) is type(module).forward and \
-        getattr(inner, '__self__', None) is module
-    if 'forward' in vars(module) and not is_checkpointed(module) or \
-            not own:  # a wrapper, also one beneath mmdtr's checkpoint
+    # the forward that runs: beneath mmdtr's checkpoint, or as called
+    inner = inner_forward(module) if is_checkpointed(module) else \
+        module.forward
+    if getattr(inner, '__func__', None) is not type(module).forward or \
+            getattr(inner, '__self__', None) is not module:  # a wrapper
         # found by an adversarial search: MMEngine's checkpointing was lost
         result.failures.append(
             (name, "its forward is replaced on the module (by MMEngine's "
