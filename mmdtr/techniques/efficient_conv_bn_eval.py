@@ -38,7 +38,6 @@ which the fused form would skip.
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -50,7 +49,8 @@ from torch.nn.modules.conv import _ConvNd
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
 from .module_selection import outermost, resolve_modules
-from .traced_forward import GuardedForward, TraceRefused, watched_trace
+from .traced_forward import (GuardedForward, TraceRefused, TypeWatchingTracer,
+                             watched_trace)
 
 #: ``fused(bn, conv, x) -> Tensor``: ``bn(conv(x))`` in the fused form.
 FusedForward = Callable[[_BatchNorm, _ConvNd, torch.Tensor], torch.Tensor]
@@ -97,7 +97,7 @@ def _modes() -> tuple:
             autocast_dtype('cpu') if autocast_dtype else None)
 
 
-class _ConvBnTracer(fx.Tracer):
+class _ConvBnTracer(TypeWatchingTracer):
     """Trace one module's own code: every child with a forward is a leaf.
     ``switches_modes``: whether a node was made under other grad or
     autocast modes than the trace started in."""
@@ -235,8 +235,7 @@ def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
                     stack.enter_context(torch.no_grad())
                     stack.enter_context(
                         torch.autocast('cpu', dtype=torch.bfloat16))
-                graph, read = watched_trace(module,
-                                            partial(tracer.trace, module))
+                graph, read = watched_trace(module, tracer)
             reads.update(read)
             switches |= tracer.switches_modes
             codes.append(graph.python_code('self').src)

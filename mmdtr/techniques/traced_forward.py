@@ -9,15 +9,22 @@ records what the trace read and wrote, refuses a forward that writes, and
 installs a forward that runs the trace only while every attribute read
 still holds the value the trace saw and every parameter is passed an
 argument other than ``None``, and the module's own forward otherwise.
+The module-level globals its code names are guarded the same way, and a
+forward that checks the type of an argument or of a value made from one
+(``isinstance(x, torch.Tensor)``: a proxy is not a tensor, so the trace
+would fix the branch) is refused.
 
-Not seen: module-level globals the code reads, and ``isinstance`` checks of
-an argument (a proxy is not a tensor).
+Not seen: ``type(x)`` of a proxy, and globals read by functions the code
+reaches other than through its own name, its classes' methods and the
+module-level functions it names.
 """
 import copy
 import enum
 import inspect
 import itertools
+import os
 import re
+import sys
 import types
 from typing import Callable, Dict, List, Tuple
 
@@ -37,6 +44,10 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
               torch.device, enum.Enum, range, slice)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+#: Checked by identity: rebinding is seen, a change inside is not (as for a
+#: function read from an attribute).
+_BY_IDENTITY = (torch.Tensor, types.ModuleType, type) + _CALLABLES
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 class TraceRefused(Exception):
@@ -79,17 +90,8 @@ class _Guard:
     __slots__ = ('owner', 'name', 'value', 'by_identity')
 
     def __init__(self, owner: nn.Module, name: str, value):
-        if value is _ABSENT:
-            self.value, self.by_identity = value, True
-        elif _plain_data(value):
-            self.value, self.by_identity = copy.deepcopy(value), False
-        elif isinstance(value, (torch.Tensor, ) + _CALLABLES):
-            self.value, self.by_identity = value, True
-        else:
-            raise TraceRefused(
-                f'its own forward reads {type(owner).__name__}.{name}, a '
-                f'{type(value).__name__}, whose later changes a trace '
-                'would not see')
+        self.value, self.by_identity = _how_to_check(
+            value, f'{type(owner).__name__}.{name}')
         self.owner, self.name = owner, name
 
     def holds(self) -> bool:
@@ -99,29 +101,157 @@ class _Guard:
             return now is _ABSENT and not any(
                 self.name in owner.__dict__[d]
                 for d in ('_parameters', '_buffers', '_modules'))
-        if self.by_identity:
-            return now is self.value
-        return now is not _ABSENT and type(now) is type(self.value) and \
-            now == self.value
+        return _same(now, self.value, self.by_identity)
+
+
+def _how_to_check(value, what: str) -> tuple:
+    """``(value kept, whether by identity)`` for a guard on ``value``."""
+    if value is _ABSENT:
+        return value, True
+    if _plain_data(value):
+        return copy.deepcopy(value), False
+    if isinstance(value, _BY_IDENTITY):
+        return value, True
+    raise TraceRefused(
+        f'its own forward reads {what}, a {type(value).__name__}, whose '
+        'later changes a trace would not see')
+
+
+def _same(now, value, by_identity: bool) -> bool:
+    if by_identity:
+        return now is value
+    return now is not _ABSENT and type(now) is type(value) and now == value
+
+
+class _GlobalGuard:
+    """A module-level global the code names; copies of a module share it
+    (a deep copy of the module does not copy its code's globals)."""
+    __slots__ = ('namespace', 'name', 'value', 'by_identity')
+
+    def __init__(self, namespace: dict, name: str, value):
+        self.value, self.by_identity = _how_to_check(
+            value, f"the global {namespace.get('__name__')}.{name}")
+        self.namespace, self.name = namespace, name
+
+    def holds(self) -> bool:
+        return _same(
+            self.namespace.get(self.name, _ABSENT), self.value,
+            self.by_identity)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _in_torch(code: types.CodeType) -> bool:
+    return code.co_filename.startswith(_TORCH_DIR)
+
+
+def _functions_run(module: nn.Module) -> list:
+    """The functions a trace of ``module`` may run outside torch: its
+    class's forward, the methods (and properties) of its and its
+    sub-modules' classes it names, the module-level functions it names,
+    and so on from each of those."""
+    classes = [
+        klass for m in module.modules() for klass in type(m).__mro__
+        if not _in_torch_module(klass)
+    ]
+    found, todo = [], [type(module).forward]
+    while todo:
+        function = todo.pop()
+        if function in found or _in_torch(function.__code__):
+            continue
+        found.append(function)
+        for name in _names(function.__code__):
+            candidates = [function.__globals__.get(name)]
+            candidates += [vars(klass).get(name) for klass in classes]
+            for c in candidates:
+                c = c.fget if isinstance(c, property) else getattr(
+                    c, '__func__', c)  # static and class methods
+                if isinstance(c, types.FunctionType):
+                    todo.append(c)
+    return found
+
+
+def _in_torch_module(klass: type) -> bool:
+    return klass.__module__.split('.')[0] in ('torch', 'builtins')
+
+
+def _names(code: types.CodeType):
+    """The names ``code`` and the code nested in it (closures,
+    comprehensions) load: globals, attributes and methods."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def guard_globals(module: nn.Module) -> List[_GlobalGuard]:
+    """Guards on the module-level globals the code a trace of ``module``
+    runs names (:func:`_functions_run`); a name that is also an attribute
+    (``x.shape`` where a global ``shape`` exists) is guarded too.
+
+    Raises:
+        TraceRefused: If one cannot be checked later.
+    """
+    guards = {}
+    for function in _functions_run(module):
+        namespace = function.__globals__
+        for name in _names(function.__code__):
+            key = (id(namespace), name)
+            if name in namespace and key not in guards:
+                guards[key] = _GlobalGuard(namespace, name, namespace[name])
+    return list(guards.values())
+
+
+class TypeWatchingTracer(fx.Tracer):
+    """An ``fx.Tracer`` whose proxies see an ``isinstance`` check by code
+    outside torch (the module's own): ``type_checks`` lists where.
+
+    ``isinstance(proxy, C)`` reads ``proxy.__class__`` when the proxy's
+    type is not ``C``; torch's own checks (fx creating nodes) are not
+    counted, a ``Parameter`` check is counted for its caller.
+    """
+
+    def trace(self, root, concrete_args=None):
+        self.type_checks = []
+        return super().trace(root, concrete_args)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _TypeWatchedProxy(node, self)
+
+
+class _TypeWatchedProxy(fx.Proxy):
+
+    @property
+    def __class__(self):
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == '__instancecheck__' and _in_torch(
+                caller.f_code):
+            caller = caller.f_back  # a Parameter's metaclass
+        if caller is not None and not _in_torch(caller.f_code):
+            self.tracer.type_checks.append(
+                f'{caller.f_code.co_name} (line {caller.f_lineno})')
+        return _TypeWatchedProxy
 
 
 def _is_watched(name: str) -> bool:
     return name not in _MODULE_OWN and not name.startswith('__')
 
 
-def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
+def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
                   ) -> Tuple[fx.Graph, Dict[tuple, object]]:
-    """Run ``trace()`` while recording the plain attributes of ``module``
-    and its sub-modules its code reads (a child's flag too), and those it
-    looked for and did not find; refuse a write to an attribute of
-    ``module``.
+    """Trace ``module`` with ``tracer`` while recording the plain
+    attributes of ``module`` and its sub-modules its code reads (a child's
+    flag too), and those it looked for and did not find; refuse a write to
+    an attribute of ``module``, and a type check of a proxy.
 
     Returns:
         tuple: The graph, and ``{(owner, name): value}`` of the attributes
         read (``_ABSENT`` for those not found).
 
     Raises:
-        TraceRefused: If the forward writes an attribute of the module.
+        TraceRefused: If the forward writes an attribute of the module or
+            checks the type of a value the trace stands in for.
     """
     reads, writes = {}, []
     classes = {m: type(m) for m in module.modules()}
@@ -163,7 +293,7 @@ def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
             object.__setattr__(m, '__class__', classes[m])
         raise TraceRefused(f'its class cannot be watched ({exc})') from None
     try:
-        graph = trace()
+        graph = tracer.trace(module)
     except Exception:
         if not writes:
             raise
@@ -174,6 +304,11 @@ def watched_trace(module: nn.Module, trace: Callable[[], fx.Graph]
         raise TraceRefused(
             f'its own forward sets self.{writes[0]}, which a trace would '
             'not do')
+    if tracer.type_checks:  # found by a review: the branch was fixed
+        raise TraceRefused(
+            'its own code checks the type of an argument or of a value '
+            f'made from one (isinstance, in {tracer.type_checks[0]}), '
+            'whose branch a trace would fix')
     return graph, reads
 
 
@@ -202,7 +337,7 @@ class GuardedForward:
         self.guards = [
             _Guard(owner, name, value)
             for (owner, name), value in reads.items()
-        ]
+        ] + guard_globals(module)
         # the sub-modules the trace calls: one replaced (an activation, a
         # downsample set to None) would not run in the trace (a review)
         self.children = list(module.named_modules())

@@ -271,3 +271,99 @@ def test_guards_of_a_deep_copy_hold():
     twin = copy.deepcopy(model)
     guards = twin.__dict__['forward'].guards
     assert guards and all(g.holds() for g in guards)
+
+
+class _TypeSwitch(nn.Module):
+    """Takes a tensor or a list of features (a neck's input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor):  # a proxy is not a tensor
+            x = x[0]
+        return self.bn(self.conv(x))
+
+
+def test_a_type_check_of_an_argument_is_left_unfused():
+    # found by a review: the trace took the list branch and indexed the
+    # batch of every tensor it was given
+    plain, model = _pair(_TypeSwitch)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0
+    assert 'isinstance, in forward' in messages[0]
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+    assert torch.equal(plain([x]), model([x]))
+
+
+_SCALE = 2.0
+_NEGATE = False
+
+
+class _ReadsGlobals(nn.Module):
+    """Reads module-level settings, one through a helper method."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)) * _SCALE
+        return self._sign(y)
+
+    def _sign(self, y):
+        return -y if _NEGATE else y
+
+
+class _Subclass(_ReadsGlobals):
+
+    def forward(self, x):
+        return super().forward(x) + 1
+
+
+@pytest.mark.parametrize('cls', [_ReadsGlobals, _Subclass])
+@pytest.mark.parametrize('name, value', [('_SCALE', 3.0), ('_NEGATE', True)])
+def test_a_changed_global_runs_the_modules_own_forward(cls, name, value,
+                                                       monkeypatch):
+    # found by a review: the trace kept the value it saw
+    plain, model = _pair(cls)
+    result, _ = _fuse(model)
+    assert result.fused_pairs == 1
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+    monkeypatch.setitem(globals(), name, value)
+    assert torch.equal(plain(x), model(x))
+
+
+_SETTINGS = type('Settings', (), {'scale': 2.0})()
+
+
+class _ReadsAGlobalObject(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * _SETTINGS.scale
+
+
+def test_a_global_of_unknown_type_is_left_unfused():
+    _, model = _pair(_ReadsAGlobalObject)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0
+    assert 'reads the global ' + __name__ + '._SETTINGS' in messages[0]
+
+
+def test_a_deep_copy_shares_the_guards_on_globals(monkeypatch):
+    _, model = _pair(_ReadsGlobals)
+    _fuse(model)
+    twin = copy.deepcopy(model)
+    guards = twin.__dict__['forward'].guards
+    assert any(g.name == '_SCALE' for g in guards)
+    assert all(g.holds() for g in guards)
+    monkeypatch.setitem(globals(), '_SCALE', 5.0)
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(twin(x), twin.bn(twin.conv(x)) * 5.0)
