@@ -304,7 +304,7 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
         raise TraceRefused(
             f'its own forward sets self.{writes[0]}, which a trace would '
             'not do')
-    if tracer.type_checks:  # found by a review: the branch was fixed
+    if tracer.type_checks:  # else the branch taken is fixed
         raise TraceRefused(
             'its own code checks the type of an argument or of a value '
             f'made from one (isinstance, in {tracer.type_checks[0]}), '

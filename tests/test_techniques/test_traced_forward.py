@@ -287,8 +287,8 @@ class _TypeSwitch(nn.Module):
 
 
 def test_a_type_check_of_an_argument_is_left_unfused():
-    # found by a review: the trace took the list branch and indexed the
-    # batch of every tensor it was given
+    # a listed limit until 2026-11-27: the trace took the list branch and
+    # indexed the batch of every tensor it was given
     plain, model = _pair(_TypeSwitch)
     result, messages = _fuse(model)
     assert result.fused_pairs == 0
@@ -327,7 +327,7 @@ class _Subclass(_ReadsGlobals):
 @pytest.mark.parametrize('name, value', [('_SCALE', 3.0), ('_NEGATE', True)])
 def test_a_changed_global_runs_the_modules_own_forward(cls, name, value,
                                                        monkeypatch):
-    # found by a review: the trace kept the value it saw
+    # a listed limit until 2026-11-27: the trace kept the value it saw
     plain, model = _pair(cls)
     result, _ = _fuse(model)
     assert result.fused_pairs == 1
