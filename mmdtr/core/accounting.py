@@ -16,6 +16,38 @@ from .records import StorageRecord, StorageRef
 
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
+_COMPRESSED_PARTS = {
+    torch.sparse_csr: ('crow_indices', 'col_indices'),
+    torch.sparse_bsr: ('crow_indices', 'col_indices'),
+    torch.sparse_csc: ('ccol_indices', 'row_indices'),
+    torch.sparse_bsc: ('ccol_indices', 'row_indices'),
+}
+
+SPARSE_LAYOUTS = frozenset(_COMPRESSED_PARTS) | {torch.sparse_coo}
+
+
+def sparse_parts(t: Tensor) -> tuple:
+    """The strided tensors a sparse ``t`` is made of."""
+    if t.layout is torch.sparse_coo:
+        return t._indices(), t._values()
+    return tuple(getattr(t, name)()
+                 for name in _COMPRESSED_PARTS[t.layout]) + (t.values(), )
+
+
+def argument_storages(args, kwargs) -> set:
+    """Addresses of the storages of a call's tensor arguments (and in their
+    lists, one level), a sparse one's parts included."""
+    storages = set()
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a, ):
+            if not isinstance(t, Tensor):
+                continue
+            if t.layout is torch.strided:
+                storages.add(t.untyped_storage()._cdata)
+            elif t.layout in SPARSE_LAYOUTS:
+                storages.update(p.untyped_storage()._cdata
+                                for p in sparse_parts(t))
+    return storages
 
 
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
@@ -152,6 +184,21 @@ class Accounting:
         storage = rng[1].untyped_storage()
         if storage._cdata not in self.transients:
             self._count_transient(storage, storage._cdata)
+
+    def meter_sparse_parts(self, t, args, kwargs):
+        """Count the parts (indices, values) of a sparse output that are
+        new: neither known nor parts of the call's arguments (R11). A
+        sparse tensor is never recorded (R4)."""
+        known = None
+        for part in sparse_parts(t):
+            storage = part.untyped_storage()
+            cdata = storage._cdata
+            if cdata in self.records or cdata in self.transients:
+                continue
+            if known is None:
+                known = argument_storages(args, kwargs)
+            if cdata not in known:
+                self._count_transient(storage, cdata)
 
     def _count_transient(self, storage, cdata):
         """Count ``storage``, which has no record, until it is freed."""

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .accounting import Accounting
+from .accounting import SPARSE_LAYOUTS, Accounting, argument_storages
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
@@ -89,14 +89,6 @@ def _same_bits_on_replay(determinism: str) -> bool:
     return determinism == ALWAYS or (
         determinism == IN_DETERMINISTIC_MODE
         and torch.are_deterministic_algorithms_enabled())
-
-
-def _input_storages(args, kwargs) -> set:
-    """Addresses of the storages of a call's tensor arguments."""
-    return {
-        t.untyped_storage()._cdata
-        for t in _tensors_in((*args, *kwargs.values()))
-    }
 
 
 class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
@@ -180,7 +172,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.clock += 1
         if counted is not None:
             bump_like_eager(*counted)
-        new = self._register_outputs(out, args, kwargs, info.fresh_returns)
+        new = self._register_outputs(out, args, kwargs, info)
         declared = writes[:n_declared]
         replayable = info.replayable and _same_bits_on_replay(
             info.cuda_determinism if self.cuda else info.cpu_determinism)
@@ -272,14 +264,17 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 get_arg(info, args, kwargs, i) for i in scratch)
         return writes, n_declared, scratch
 
-    def _register_outputs(self, out, args, kwargs, fresh_returns):
+    def _register_outputs(self, out, args, kwargs, info):
         """Register the storages the call allocated; return them (R11).
 
         A storage whose only users are the output and its Python object
         (use count 2), returned by an op without alias annotations, is new:
         PyTorch's debug builds assert exactly this of non-aliasing ops.
         Anything else is checked against the inputs' storages (views such
-        as ``_unsafe_view`` alias without an annotation).
+        as ``_unsafe_view`` alias without an annotation), but for
+        ``lift_fresh``'s (``torch.tensor`` of a list: made just now,
+        outside the dispatcher). A sparse output's parts are counted
+        (``transients``), not recorded.
         """
         if isinstance(out, Tensor):
             outs = (out, )
@@ -289,18 +284,23 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             return ()
         records, new, inputs = self.records, [], None
         for i, o in enumerate(outs):
-            if not isinstance(o, Tensor) or not managed(o):
-                continue  # not a tensor, or held: see managed()
+            if not isinstance(o, Tensor):
+                continue
+            if not managed(o):  # held: see managed()
+                if o.layout in SPARSE_LAYOUTS:
+                    self.meter_sparse_parts(o, args, kwargs)
+                continue
             storage = o.untyped_storage()
             cdata = storage._cdata
             rec = records.get(cdata)
             if rec is not None:  # a view or write of a storage we know
                 rec.track(o)
                 continue
-            if not fresh_returns or _use_count(cdata) != 2:
+            if not info.fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
-                    inputs = _input_storages(args, kwargs)
-                if cdata in inputs:
+                    inputs = argument_storages(args, kwargs)
+                if cdata in inputs and not (info.lifts_fresh
+                                            and storage.resizable()):
                     continue  # a view of an external storage
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows

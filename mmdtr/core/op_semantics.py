@@ -166,6 +166,10 @@ class OpInfo(NamedTuple):
         versions_lists (bool): Whether eager autograd bumps the version
             counters of the lists the op writes (in-place ``_foreach_``
             ops); below a dispatch mode their kernels do not.
+        lifts_fresh (bool): Whether the op returns its argument, a tensor
+            just made outside the dispatcher (``lift_fresh``: ``torch.tensor``
+            of a list), whose storage is new when it is resizable (not
+            NumPy's memory, R11).
     """
     arg_names: Tuple[str, ...]
     written_args: Tuple[int, ...]
@@ -180,6 +184,7 @@ class OpInfo(NamedTuple):
     fresh_returns: bool
     swaps_storage: bool
     versions_lists: bool
+    lifts_fresh: bool
 
 
 _CACHE: Dict[object, OpInfo] = {}
@@ -224,7 +229,8 @@ def _classify(func) -> OpInfo:
     replayable = (
         namespace == 'aten' and (not side_effects or bn_arg is not False))
     if name in ('set_', 'resize_', 'resize_as_', '_resize_output_',
-                'record_stream', 'as_strided_', '_local_scalar_dense'):
+                'record_stream', 'as_strided_', '_local_scalar_dense',
+                'lift_fresh'):  # its argument is made outside (R4)
         replayable = False
     cpu, cuda = _determinism(name, func._overloadname)
     return OpInfo(
@@ -240,7 +246,8 @@ def _classify(func) -> OpInfo:
         cuda_determinism=cuda,
         fresh_returns=all(r.alias_info is None for r in schema.returns),
         swaps_storage=name == 'set_',
-        versions_lists=name.startswith('_foreach_') and bool(side_effects))
+        versions_lists=name.startswith('_foreach_') and bool(side_effects),
+        lifts_fresh=name == 'lift_fresh')
 
 
 def get_arg(info: OpInfo, args, kwargs, index: int):
