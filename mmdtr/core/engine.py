@@ -119,6 +119,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.transients = {}
         # external storage address -> (WeakList of users, weakref to it)
         self.external_users = {}
+        self.external_prune_at = 64  # (R10)
         # device -> AddressIndex of the non-resizable storages held by
         # recipes from outside (R14)
         self.foreign_index = {}

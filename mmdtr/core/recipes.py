@@ -314,12 +314,25 @@ class Recipes:
                 storage = ref.tensor.untyped_storage()
                 entry = self.external_users.get(storage._cdata)
                 if entry is None:
+                    if len(self.external_users) >= self.external_prune_at:
+                        self._prune_external_users()
                     wref = StorageRef(storage, self._forget_external)
                     wref.cdata, wref.nbytes = storage._cdata, 0
                     self._index_held(wref, storage)  # (R14)
                     entry = self.external_users[storage._cdata] = (WeakList(),
                                                                    wref)
                 entry[0].add(rec)
+
+    def _prune_external_users(self):
+        """Drop the outside storages no live recipe reads any more, when
+        the table has doubled since the last pruning (O(1) amortized): a
+        long scope reading another preloaded batch each iteration grew it
+        by one entry per iteration (found by an adversarial search)."""
+        for cdata, (users, wref) in list(self.external_users.items()):
+            if not users.live():
+                del self.external_users[cdata]  # its wref dies uncalled
+                self._unindex_held(wref)
+        self.external_prune_at = max(64, 2 * len(self.external_users))
 
     def _forget_external(self, wref):
         with self.lock:  # any thread may free it (R12)

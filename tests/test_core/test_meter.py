@@ -314,3 +314,17 @@ def test_meter_counts_storages_made_outside_ops(case):
     metered, live = _metered_and_live(make)
     assert metered == live, (metered, live)
     assert metered >= (0 if case == 'as_tensor_of_numpy' else 2**14)
+
+
+def test_outside_storages_recipes_no_longer_read_are_dropped():
+    """Found by an adversarial search: a long scope reading another
+    preloaded batch each iteration kept an entry per batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    batches = [torch.randn(4, 8) for _ in range(400)]  # before the scope
+    with DTR(eviction_threshold='1MB', evictee_minimum_size=1) as engine:
+        for x in batches:
+            model(x).square().mean().backward()
+        table = engine._state.external_users
+        assert len(table) <= 150, len(table)  # was 404
+        assert sum(bool(users.live()) for users, _ in table.values()) <= 8
