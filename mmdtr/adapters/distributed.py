@@ -245,7 +245,8 @@ class MMDTRDistributedDataParallel(MMDistributedDataParallel):
         **kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Examples:
-        >>> # only needed to pass DDP options; the default on CPU is this
+        >>> # only needed to pass DDP options; on CPU the default is this
+        >>> # type, with find_unused_parameters from the config (False)
         >>> model_wrapper_cfg = dict(
         ...     type='mmdtr.MMDTRDistributedDataParallel',
         ...     broadcast_buffers=False,
