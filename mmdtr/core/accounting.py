@@ -187,8 +187,14 @@ class Accounting:
 
     def meter_sparse_parts(self, t, args, kwargs):
         """Count the parts (indices, values) of a sparse output that are
-        new: neither known nor parts of the call's arguments (R11). A
-        sparse tensor is never recorded (R4)."""
+        new: neither known nor parts of the call's other arguments (R11). A
+        sparse tensor is never recorded (R4).
+
+        An argument returned (``add_``, ``AccumulateGrad``'s ``grad +=``)
+        may hold new parts now, so its own parts are not taken for old
+        ones: one kept from before the scope (``mul_`` keeps the indices)
+        is then counted, on the safe side (found by a review).
+        """
         known = None
         for part in sparse_parts(t):
             storage = part.untyped_storage()
@@ -196,7 +202,9 @@ class Accounting:
             if cdata in self.records or cdata in self.transients:
                 continue
             if known is None:
-                known = argument_storages(args, kwargs)
+                others = {k: v for k, v in kwargs.items() if v is not t}
+                known = argument_storages([a for a in args if a is not t],
+                                          others)
             if cdata not in known:
                 self._count_transient(storage, cdata)
 

@@ -328,10 +328,13 @@ class Recipes:
         the table has doubled since the last pruning (O(1) amortized): a
         long scope reading another preloaded batch each iteration grew it
         by one entry per iteration (found by an adversarial search)."""
-        for cdata, (users, wref) in list(self.external_users.items()):
-            if not users.live():
-                del self.external_users[cdata]  # its wref dies uncalled
-                self._unindex_held(wref)
+        table = self.external_users
+        for cdata, entry in list(table.items()):  # a snapshot (R12)
+            # a collection in live() may free the storage: its callback then
+            # dropped the entry (found by a review)
+            if not entry[0].live() and table.get(cdata) is entry:
+                del table[cdata]  # its wref dies uncalled
+                self._unindex_held(entry[1])
         self.external_prune_at = max(64, 2 * len(self.external_users))
 
     def _forget_external(self, wref):

@@ -48,6 +48,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
+from .code_guards import guard_code
 from .module_selection import outermost, resolve_modules
 from .traced_forward import (GuardedForward, TraceRefused, TypeWatchingTracer,
                              watched_trace)
@@ -261,6 +262,9 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
              "its class's forward would drop"))
         return
     try:
+        # first: a forward that writes a global is refused before its code
+        # runs in a trace (found by a review)
+        code_guards = guard_code(module)
         graph, mode_dependent, switches, reads = _trace_in_both_modes(module)
     except TraceRefused as exc:
         result.failures.append((name, str(exc)))
@@ -287,7 +291,7 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
         return
     try:  # the trace runs only while what it read holds (found by an
         # adversarial search: a supernet's choice, identity=None, baked in)
-        forward = GuardedForward(module, gm.forward, inner, reads)
+        forward = GuardedForward(module, gm.forward, inner, reads, code_guards)
     except TraceRefused as exc:
         result.failures.append((name, str(exc)))
         return

@@ -9,28 +9,23 @@ records what the trace read and wrote, refuses a forward that writes, and
 installs a forward that runs the trace only while every attribute read
 still holds the value the trace saw and every parameter is passed an
 argument other than ``None``, and the module's own forward otherwise.
-The module-level globals its code names are guarded the same way, and a
-forward that checks the type of an argument or of a value made from one
-(``isinstance(x, torch.Tensor)``: a proxy is not a tensor, so the trace
-would fix the branch) is refused.
-
-Not seen: ``type(x)`` of a proxy, and globals read by functions the code
-reaches other than through its own name, its classes' methods and the
-module-level functions it names.
+The globals and closure cells its code reads are guarded the same way, and
+code that checks the type of a proxy is refused (:mod:`.code_guards`).
 """
-import copy
-import enum
 import inspect
 import itertools
-import os
 import re
-import sys
-import types
 from typing import Callable, Dict, List, Tuple
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from .code_guards import CodeGuard, TypeWatchingTracer
+from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
+
+__all__ = [
+    'GuardedForward', 'TraceRefused', 'TypeWatchingTracer', 'watched_trace'
+]
 
 #: Attributes every module has: its parameters, buffers, children and
 #: hooks live in them, and ``training`` is traced in both modes instead.
@@ -40,48 +35,6 @@ _MODULE_OWN = frozenset(vars(nn.Module())) | {'forward'}
 #: (``_tensor_constant0``, ``_tree_spec_constant0``, ``_Foo_constant_0``).
 _FX_CONSTANT = re.compile(r'_\w+_constant_?\d+$')
 
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
-              torch.device, enum.Enum, range, slice)
-_CONTAINERS = (list, tuple, dict, set, frozenset)
-_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-#: Checked by identity: rebinding is seen, a change inside is not (as for a
-#: function read from an attribute).
-_BY_IDENTITY = (torch.Tensor, types.ModuleType, type) + _CALLABLES
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-class TraceRefused(Exception):
-    """The module's forward cannot be replaced by a trace; the message says
-    why."""
-
-
-def _plain_data(value, depth=0) -> bool:
-    """Whether ``value`` is made of immutable scalars and containers only,
-    so that a deep copy compares equal exactly while it is unchanged."""
-    if isinstance(value, _IMMUTABLE):
-        return True
-    if depth < 4 and isinstance(value, _CONTAINERS):
-        items = value.items() if isinstance(value, dict) else \
-            ((v, None) for v in value)
-        return all(
-            _plain_data(k, depth + 1) and _plain_data(v, depth + 1)
-            for k, v in items)
-    return False
-
-
-class _Absent:
-    """An attribute the trace looked for and did not find; one object, also
-    in deep copies (an EMA model's guards compare with it)."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return '_ABSENT'
-
-
-_ABSENT = _Absent()
-
 
 class _Guard:
     """One attribute the trace read (of the module or a sub-module), and
@@ -90,148 +43,18 @@ class _Guard:
     __slots__ = ('owner', 'name', 'value', 'by_identity')
 
     def __init__(self, owner: nn.Module, name: str, value):
-        self.value, self.by_identity = _how_to_check(
+        self.value, self.by_identity = how_to_check(
             value, f'{type(owner).__name__}.{name}')
         self.owner, self.name = owner, name
 
     def holds(self) -> bool:
         owner = self.owner
-        now = owner.__dict__.get(self.name, _ABSENT)
-        if self.value is _ABSENT:
-            return now is _ABSENT and not any(
+        now = owner.__dict__.get(self.name, ABSENT)
+        if self.value is ABSENT:
+            return now is ABSENT and not any(
                 self.name in owner.__dict__[d]
                 for d in ('_parameters', '_buffers', '_modules'))
-        return _same(now, self.value, self.by_identity)
-
-
-def _how_to_check(value, what: str) -> tuple:
-    """``(value kept, whether by identity)`` for a guard on ``value``."""
-    if value is _ABSENT:
-        return value, True
-    if _plain_data(value):
-        return copy.deepcopy(value), False
-    if isinstance(value, _BY_IDENTITY):
-        return value, True
-    raise TraceRefused(
-        f'its own forward reads {what}, a {type(value).__name__}, whose '
-        'later changes a trace would not see')
-
-
-def _same(now, value, by_identity: bool) -> bool:
-    if by_identity:
-        return now is value
-    return now is not _ABSENT and type(now) is type(value) and now == value
-
-
-class _GlobalGuard:
-    """A module-level global the code names; copies of a module share it
-    (a deep copy of the module does not copy its code's globals)."""
-    __slots__ = ('namespace', 'name', 'value', 'by_identity')
-
-    def __init__(self, namespace: dict, name: str, value):
-        self.value, self.by_identity = _how_to_check(
-            value, f"the global {namespace.get('__name__')}.{name}")
-        self.namespace, self.name = namespace, name
-
-    def holds(self) -> bool:
-        return _same(
-            self.namespace.get(self.name, _ABSENT), self.value,
-            self.by_identity)
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-def _in_torch(code: types.CodeType) -> bool:
-    return code.co_filename.startswith(_TORCH_DIR)
-
-
-def _functions_run(module: nn.Module) -> list:
-    """The functions a trace of ``module`` may run outside torch: its
-    class's forward, the methods (and properties) of its and its
-    sub-modules' classes it names, the module-level functions it names,
-    and so on from each of those."""
-    classes = [
-        klass for m in module.modules() for klass in type(m).__mro__
-        if not _in_torch_module(klass)
-    ]
-    found, todo = [], [type(module).forward]
-    while todo:
-        function = todo.pop()
-        if function in found or _in_torch(function.__code__):
-            continue
-        found.append(function)
-        for name in _names(function.__code__):
-            candidates = [function.__globals__.get(name)]
-            candidates += [vars(klass).get(name) for klass in classes]
-            for c in candidates:
-                c = c.fget if isinstance(c, property) else getattr(
-                    c, '__func__', c)  # static and class methods
-                if isinstance(c, types.FunctionType):
-                    todo.append(c)
-    return found
-
-
-def _in_torch_module(klass: type) -> bool:
-    return klass.__module__.split('.')[0] in ('torch', 'builtins')
-
-
-def _names(code: types.CodeType):
-    """The names ``code`` and the code nested in it (closures,
-    comprehensions) load: globals, attributes and methods."""
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _names(const)
-
-
-def guard_globals(module: nn.Module) -> List[_GlobalGuard]:
-    """Guards on the module-level globals the code a trace of ``module``
-    runs names (:func:`_functions_run`); a name that is also an attribute
-    (``x.shape`` where a global ``shape`` exists) is guarded too.
-
-    Raises:
-        TraceRefused: If one cannot be checked later.
-    """
-    guards = {}
-    for function in _functions_run(module):
-        namespace = function.__globals__
-        for name in _names(function.__code__):
-            key = (id(namespace), name)
-            if name in namespace and key not in guards:
-                guards[key] = _GlobalGuard(namespace, name, namespace[name])
-    return list(guards.values())
-
-
-class TypeWatchingTracer(fx.Tracer):
-    """An ``fx.Tracer`` whose proxies see an ``isinstance`` check by code
-    outside torch (the module's own): ``type_checks`` lists where.
-
-    ``isinstance(proxy, C)`` reads ``proxy.__class__`` when the proxy's
-    type is not ``C``; torch's own checks (fx creating nodes) are not
-    counted, a ``Parameter`` check is counted for its caller.
-    """
-
-    def trace(self, root, concrete_args=None):
-        self.type_checks = []
-        return super().trace(root, concrete_args)
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _TypeWatchedProxy(node, self)
-
-
-class _TypeWatchedProxy(fx.Proxy):
-
-    @property
-    def __class__(self):
-        caller = sys._getframe(1)
-        if caller.f_code.co_name == '__instancecheck__' and _in_torch(
-                caller.f_code):
-            caller = caller.f_back  # a Parameter's metaclass
-        if caller is not None and not _in_torch(caller.f_code):
-            self.tracer.type_checks.append(
-                f'{caller.f_code.co_name} (line {caller.f_lineno})')
-        return _TypeWatchedProxy
+        return same_value(now, self.value, self.by_identity)
 
 
 def _is_watched(name: str) -> bool:
@@ -247,7 +70,7 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
 
     Returns:
         tuple: The graph, and ``{(owner, name): value}`` of the attributes
-        read (``_ABSENT`` for those not found).
+        read (``ABSENT`` for those not found).
 
     Raises:
         TraceRefused: If the forward writes an attribute of the module or
@@ -268,7 +91,7 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
             return classes[self].__getattr__(self, name)
         except AttributeError:
             if _is_watched(name):
-                reads.setdefault((self, name), _ABSENT)
+                reads.setdefault((self, name), ABSENT)
             raise
 
     def write(self, name, value):
@@ -326,18 +149,21 @@ class GuardedForward:
         traced (Callable): The trace's forward (a ``GraphModule``'s).
         fallback (Callable): The module's own forward.
         reads (dict): The attributes the trace read.
+        code_guards (list): The guards on the globals and cells its code
+            reads, from :func:`.guard_code` (before the trace: it refuses
+            code that writes a global, which the trace would run).
 
     Raises:
         TraceRefused: If an attribute read cannot be checked later.
     """
 
     def __init__(self, module: nn.Module, traced: Callable, fallback: Callable,
-                 reads: Dict[str, object]):
+                 reads: Dict[str, object], code_guards: List[CodeGuard]):
         self.module, self.traced, self.fallback = module, traced, fallback
         self.guards = [
             _Guard(owner, name, value)
             for (owner, name), value in reads.items()
-        ] + guard_globals(module)
+        ] + code_guards
         # the sub-modules the trace calls: one replaced (an activation, a
         # downsample set to None) would not run in the trace (a review)
         self.children = list(module.named_modules())

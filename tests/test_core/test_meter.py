@@ -286,7 +286,8 @@ def _parts(sparse):
 
 @pytest.mark.parametrize('case', [
     'tensor_of_a_list', 'new_tensor', 'tensor_of_numpy', 'as_tensor_of_numpy',
-    'sparse_gradient', 'sparse_of_outside_indices'
+    'sparse_gradient', 'sparse_gradient_accumulated', 'sparse_add_',
+    'sparse_of_outside_indices'
 ])
 def test_meter_counts_storages_made_outside_ops(case):
     """Found by an adversarial search: ``torch.tensor(list)`` reaches the
@@ -299,12 +300,23 @@ def test_meter_counts_storages_made_outside_ops(case):
     array = torch.rand(256, 1024, dtype=torch.float64).numpy()
     embedding = nn.Embedding(20000, 64, sparse=True)
     indices = torch.randint(0, 20000, (4096, ))
+    other = torch.sparse_coo_tensor(indices[None], torch.ones(4096, 3),
+                                    (20000, 3))
+
+    def accumulate():  # AccumulateGrad: grad += new, a sparse add_
+        embedding(indices).sum().backward()
+        embedding(indices).sum().backward()
+
     make = dict(
         tensor_of_a_list=lambda: torch.tensor(_ROWS),
         new_tensor=lambda: base.new_tensor(_ROWS),
         tensor_of_numpy=lambda: torch.tensor(array),  # a copy: counted once
         as_tensor_of_numpy=lambda: torch.as_tensor(array),  # NumPy's memory
         sparse_gradient=lambda: embedding(indices).sum().backward(),
+        sparse_gradient_accumulated=accumulate,
+        sparse_add_=lambda: torch.sparse_coo_tensor(indices[None],
+                                                    torch.ones(4096, 3),
+                                                    (20000, 3)).add_(other),
         sparse_of_outside_indices=lambda: _parts(
             torch.sparse_coo_tensor(indices[None], torch.ones(4096),
                                     (20000, ))),
@@ -328,3 +340,40 @@ def test_outside_storages_recipes_no_longer_read_are_dropped():
         table = engine._state.external_users
         assert len(table) <= 150, len(table)  # was 404
         assert sum(bool(users.live()) for users, _ in table.values()) <= 8
+
+
+def test_pruning_survives_a_collection_that_frees_an_outside_storage(
+        monkeypatch):
+    """Found by a review: a garbage collection during the pruning walk
+    freed an outside storage, whose callback dropped its entry, and the
+    walk's ``del`` raised KeyError in the middle of an op."""
+    from mmdtr.core.records import WeakList
+
+    class Sample:  # a data sample in a reference cycle
+
+        def __init__(self, t):
+            self.t, self.me = t, self
+
+    live, collected = WeakList.live, []
+
+    def live_after_a_collection(self):
+        if not collected:
+            collected.append(gc.collect())
+        return live(self)
+
+    tensors = [torch.randn(4) for _ in range(64)]  # before the scope
+    last = torch.randn(4)
+    gc.disable()
+    try:
+        with DTR(eviction_threshold='1MB', evictee_minimum_size=1) as engine:
+            w = torch.ones(4, requires_grad=True)
+            samples = [Sample(tensors.pop()) for _ in range(64)]
+            for sample in samples:
+                (sample.t * w).sum()  # 64 entries, their readers gone
+            del samples, sample  # held by garbage cycles only
+            monkeypatch.setattr(WeakList, 'live', live_after_a_collection)
+            (last * w).sum()  # the 65th entry prunes
+            assert collected and collected[0] > 0
+            assert len(engine._state.external_users) <= 2
+    finally:
+        gc.enable()
