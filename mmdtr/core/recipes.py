@@ -220,7 +220,8 @@ class Recipes:
                 # sparse: a write through its values() is not seen (no
                 # storage to link, R7), nor its version checked (R13)
                 raise _UnrebuildableView
-            cdata = t.untyped_storage()._cdata
+            storage = t.untyped_storage()
+            cdata = storage._cdata
             if cdata in self.records:
                 # a conj/neg (or nested) view of a recorded storage:
                 # held, it would read the storage as it is at the replay,
@@ -229,13 +230,14 @@ class Recipes:
                 raise _UnrebuildableView
             # of a storage from outside: held and version-checked as any
             # input from outside (R13; a conj view shares its base's counter)
-            return self._held_external(t, cdata)
-        cdata = t.untyped_storage()._cdata
+            return self._held_external(t, storage, cdata)
+        storage = t.untyped_storage()
+        cdata = storage._cdata
         if cdata == target:
             return SelfRef(view_meta(t))
         rec = self.records.get(cdata)
         if rec is None:
-            return self._held_external(t, cdata)
+            return self._held_external(t, storage, cdata)
         rec.last_access = self.clock
         if rec.born < self.backward_clock != rec.carried_check \
                 and rec.lo is not None:
@@ -245,9 +247,19 @@ class Recipes:
         return HeldRef(detached_alias(t), rec, rec.version)
 
     @staticmethod
-    def _held_external(t, cdata):
+    def _held_external(t, storage, cdata):
         """A hold on ``t``, whose storage (``cdata``) the engine did not
-        record, checked at replay for writes made unseen (R13)."""
+        record, checked at replay for writes made unseen (R13).
+
+        Raises:
+            _UnrebuildableView: If the storage wraps memory torch did not
+                allocate (``torch.from_numpy``, DLPack; not a DataLoader
+                worker's shared memory): NumPy may write it, unseen, before
+                a rebuild reads it (a target buffer refilled per image;
+                found by an adversarial search), so the call is kept (R4).
+        """
+        if not storage.resizable() and not t.is_shared():
+            raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
         if t.grad_fn is None:  # a leaf: holding it makes no cycle

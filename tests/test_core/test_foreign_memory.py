@@ -158,6 +158,65 @@ def test_a_write_through_an_alias_of_moved_memory_is_seen():
     assert torch.equal(grad, grad_ref) and stats.recomputations > 0
 
 
+def _worker_batch(n):
+    """A tensor in shared memory, as a DataLoader worker's batch is: not
+    resizable, held by recipes (R14)."""
+    storage = torch.UntypedStorage._new_shared(4 * n)
+    return torch.tensor([], dtype=torch.float32).set_(storage).fill_(1.0)
+
+
+def test_an_op_reading_numpys_memory_is_kept():
+    """Found by an adversarial search: a target buffer refilled by NumPy
+    for each image, never seen by the dispatcher; a rebuild of an earlier
+    image's activation read the later targets."""
+    w0 = torch.randn(32, 32, generator=torch.Generator().manual_seed(0))
+    feats = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1))
+    targets = [
+        np.random.RandomState(i).rand(64, 32).astype(np.float32)
+        for i in range(4)
+    ]
+
+    def run(threshold):
+        w = w0.clone().requires_grad_()
+        buffer = np.empty((64, 32), np.float32)
+        t = torch.from_numpy(buffer)
+
+        def body(x, w):
+            loss = 0
+            for i in range(4):
+                buffer[...] = targets[i]  # outside the dispatcher
+                loss = loss + ((t * 2.0).sigmoid() * (feats[i] @ w)).sum()
+            loss.backward()
+
+        return _grad(body, None, w, threshold)
+
+    grad_ref, _ = run(None)
+    grad, stats = run(threshold=1)
+    assert torch.equal(grad, grad_ref) and stats.evictions > 0
+
+
+def test_a_write_to_a_sparse_tensor_writes_the_storage_it_shares():
+    """Found by an adversarial search: ``sparse_coo_tensor(i, v)`` shares
+    ``v``'s memory, which a sparse ``div_`` writes; the write was not seen
+    and a rebuild read the new values."""
+    x, w = _inputs()
+
+    def body(x, w):
+        h = x @ w  # recorded
+        loss = h.exp().sum()  # saves exp(h); its recipe reads h
+        sparse = torch.sparse_coo_tensor(
+            torch.arange(128)[None],
+            h.detach().view(-1), (128, ),
+            is_coalesced=True)
+        sparse.div_(2.0)  # h's storage
+        torch.ones(2**16).sum()  # memory rises: exp(h) is evicted here
+        loss.backward()
+
+    grad_ref, _ = _grad(body, x, w, None)
+    grad, stats = _grad(body, x, w, threshold=1)
+    assert torch.equal(grad, grad_ref) and stats.evictions > 0
+
+
 def test_address_index():
     index = AddressIndex()  # aliases of one array overlap
     for start, end, cdata in ((100, 150, 1), (0, 1000, 2), (300, 350, 3),
@@ -176,7 +235,7 @@ def test_the_index_follows_the_storages():
         state = engine._state
         h = x @ w  # its recipe holds x and w: resizable, not indexed
         assert not state.foreign_index
-        other = torch.from_numpy(np.ones(16, dtype=np.float32))
+        other = _worker_batch(16)
         y = other * w[0]  # held from outside, not resizable
         indexed = {c for i in state.foreign_index.values() for c in i.cdatas}
         assert indexed == {other.untyped_storage()._cdata}
