@@ -252,13 +252,18 @@ class Recipes:
         record, checked at replay for writes made unseen (R13).
 
         Raises:
-            _UnrebuildableView: If the storage wraps memory torch did not
-                allocate (``torch.from_numpy``, DLPack; not a DataLoader
-                worker's shared memory): NumPy may write it, unseen, before
-                a rebuild reads it (a target buffer refilled per image;
-                found by an adversarial search), so the call is kept (R4).
+            _UnrebuildableView: If the storage may wrap memory torch did
+                not allocate (not resizable: ``torch.from_numpy``, DLPack)
+                and ``t`` is data, not a parameter (no grad required; a
+                parameter's storage becomes not resizable after
+                ``.numpy()`` or ``load_state_dict(assign=True)``, found by a
+                review) nor a DataLoader worker's batch (shared memory):
+                NumPy may write it, unseen, before a rebuild reads it (a
+                target buffer refilled per image; found by an adversarial
+                search), so the call is kept (R4).
         """
-        if not storage.resizable() and not t.is_shared():
+        if not storage.resizable() and not t.requires_grad and \
+                not t.is_shared():
             raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)

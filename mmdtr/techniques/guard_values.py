@@ -1,8 +1,9 @@
 """How a guard of a Conv-BN trace tells a value it read still holds.
 
 Plain data (immutable scalars and containers of them) is compared by value
-with a deep copy; tensors, modules, classes, functions and typing
-constructs by identity (rebinding is seen, a change inside is not); any
+with a deep copy; tensors, modules, classes, functions, typing constructs
+and loggers by identity (rebinding is seen, a change inside is not: a value
+read through a module or a class, ``settings.SCALE``, is not guarded); any
 other object cannot be checked, and the module is left unfused
 (:class:`TraceRefused`).
 """
@@ -63,8 +64,8 @@ def how_to_check(value, what: str) -> tuple:
         return value, True
     if _plain_data(value):
         return copy.deepcopy(value), False
-    if isinstance(value, _BY_IDENTITY) or \
-            type(value).__module__ == 'typing':  # Optional, List[int]
+    if isinstance(value, _BY_IDENTITY) or type(value).__module__ in (
+            'typing', 'logging'):  # Optional, List[int]; a module's logger
         return value, True
     raise TraceRefused(
         f'its code reads {what}, a {type(value).__name__}, whose later '
@@ -72,7 +73,14 @@ def how_to_check(value, what: str) -> tuple:
 
 
 def same_value(now, value, by_identity: bool) -> bool:
-    """Whether ``now`` is still ``value`` (kept by :func:`how_to_check`)."""
+    """Whether ``now`` is still ``value`` (kept by :func:`how_to_check`);
+    not if comparing them raises (a tensor put into a dict of settings:
+    found by a review)."""
     if by_identity:
         return now is value
-    return now is not ABSENT and type(now) is type(value) and now == value
+    if now is ABSENT or type(now) is not type(value):
+        return False
+    try:
+        return bool(now == value)
+    except Exception:
+        return False

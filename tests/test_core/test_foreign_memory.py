@@ -241,3 +241,24 @@ def test_the_index_follows_the_storages():
         assert indexed == {other.untyped_storage()._cdata}
         del h, y, other  # freed: out of the index
         assert not state.foreign_index
+
+
+def test_parameters_torch_made_not_resizable_still_evict():
+    """Found by a review: ``.numpy()`` of a parameter (a histogram in a
+    logger) and ``load_state_dict(assign=True)`` make its storage not
+    resizable; every op reading it then got no recipe."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+
+    def evictions():
+        model.zero_grad(set_to_none=True)
+        with DTR(eviction_threshold=50_000, evictee_minimum_size=1) as e:
+            model(x).square().sum().backward()
+        return e.stats.evictions
+
+    fresh = evictions()
+    for p in model.parameters():
+        np.asarray(p.detach())
+    assert not model[0].weight.untyped_storage().resizable()
+    assert evictions() == fresh > 0

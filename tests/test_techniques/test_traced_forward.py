@@ -3,6 +3,7 @@ adversarial search: the trace baked in a supernet's choice, took a default
 ``identity=None`` for a tensor, and lost the forward's attribute writes)."""
 import copy
 import functools
+import logging
 import warnings
 from typing import Optional
 
@@ -488,5 +489,33 @@ def test_torch_is_tensor_and_a_global_write_are_left_unfused(cls, why):
     result, messages = _fuse(model)
     assert result.fused_pairs == 0 and why in messages[0], messages
     assert _CALLS == calls  # refused before a trace ran its code
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+
+
+_LOGGER = logging.getLogger(__name__)
+_SETTINGS_DICT = {'scale': 1.0}
+
+
+class _LogsAndReadsADict(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        _LOGGER.debug('forward')
+        return self.bn(self.conv(x)) * _SETTINGS_DICT['scale']
+
+
+def test_a_module_logger_fuses_and_a_guard_that_cannot_compare_fails(
+        monkeypatch):
+    # found by a review: a module-level logger left the module unfused
+    # (other logging calls fused), and a tensor put into a guarded dict
+    # raised from the guard's comparison
+    plain, model = _pair(_LogsAndReadsADict)
+    assert _fuse(model)[0].fused_pairs == 1
+    scale = torch.tensor([1., 2., 3., 4.]).view(1, 4, 1, 1)
+    monkeypatch.setitem(_SETTINGS_DICT, 'scale', scale)
     x = torch.randn(2, 4, 5, 5)
     assert torch.equal(plain(x), model(x))
