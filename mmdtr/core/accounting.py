@@ -10,44 +10,13 @@ count in between.
 import torch
 
 from mmdtr.errors import MmdtrError
+from .arguments import argument_storages, sparse_parts
 from .cuda_meter import READ_EVERY_OPS, CudaAllocatedBytes, read_guard
 from .op_semantics import op_info
 from .records import StorageRecord, StorageRef
 
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
-_COMPRESSED_PARTS = {
-    torch.sparse_csr: ('crow_indices', 'col_indices'),
-    torch.sparse_bsr: ('crow_indices', 'col_indices'),
-    torch.sparse_csc: ('ccol_indices', 'row_indices'),
-    torch.sparse_bsc: ('ccol_indices', 'row_indices'),
-}
-
-SPARSE_LAYOUTS = frozenset(_COMPRESSED_PARTS) | {torch.sparse_coo}
-
-
-def sparse_parts(t: Tensor) -> tuple:
-    """The strided tensors a sparse ``t`` is made of."""
-    if t.layout is torch.sparse_coo:
-        return t._indices(), t._values()
-    return tuple(getattr(t, name)()
-                 for name in _COMPRESSED_PARTS[t.layout]) + (t.values(), )
-
-
-def argument_storages(args, kwargs) -> set:
-    """Addresses of the storages of a call's tensor arguments (and in their
-    lists, one level), a sparse one's parts included."""
-    storages = set()
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a, ):
-            if not isinstance(t, Tensor):
-                continue
-            if t.layout is torch.strided:
-                storages.add(t.untyped_storage()._cdata)
-            elif t.layout in SPARSE_LAYOUTS:
-                storages.update(p.untyped_storage()._cdata
-                                for p in sparse_parts(t))
-    return storages
 
 
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
@@ -189,6 +158,11 @@ class Accounting:
         """Count the parts (indices, values) of a sparse output that are
         new: neither known nor parts of the call's other arguments (R11). A
         sparse tensor is never recorded (R4).
+
+        Args:
+            t (Tensor): The sparse output.
+            args (tuple): The call's positional arguments.
+            kwargs (dict): Its keyword arguments.
 
         An argument returned (``add_``, ``AccumulateGrad``'s ``grad +=``)
         may hold new parts now, so its own parts are not taken for old

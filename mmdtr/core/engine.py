@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from .accounting import (SPARSE_LAYOUTS, Accounting, argument_storages,
-                         sparse_parts)
+from .accounting import Accounting
+from .arguments import SPARSE_LAYOUTS, argument_storages, tensors_in
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
@@ -58,30 +58,6 @@ def _released(lock):
 _held = contextlib.nullcontext
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
-_STRIDED = torch.strided
-
-
-def _tensors_in(values, sparse_parts_to=None) -> list:
-    """The strided tensors among ``values``, and in their lists (one level).
-
-    Sparse and other non-strided tensors have no storage to track: the
-    engine never records, versions or evicts them (R4). The parts of the
-    sparse ones (indices, values: strided, and maybe a recorded tensor's
-    storage) are added to the list ``sparse_parts_to``, if given.
-    """
-    tensors = []
-    for a in values:
-        if isinstance(a, Tensor):
-            tensors.append(a)
-        elif isinstance(a, (list, tuple)):
-            tensors += [b for b in a if isinstance(b, Tensor)]
-    strided = [t for t in tensors if t.layout is _STRIDED]
-    if sparse_parts_to is not None and len(strided) < len(tensors):
-        sparse_parts_to += [
-            p for t in tensors if t.layout in SPARSE_LAYOUTS
-            for p in sparse_parts(t)
-        ]
-    return strided
 
 
 def _has_storage(t) -> bool:
@@ -268,14 +244,14 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         h)`` shares ``h``), which ``div_`` writes (found by an adversarial
         search)."""
         parts = []
-        writes = _tensors_in(
+        writes = tensors_in(
             (get_arg(info, args, kwargs, i) for i in info.written_args), parts)
         n_declared, scratch = len(writes), ()
         if info.side_effect_args and (info.batch_norm_training_arg is None
                                       or batch_norm_in_training(
                                           info, args, kwargs)):
             scratch = info.side_effect_args
-            writes += _tensors_in(
+            writes += tensors_in(
                 (get_arg(info, args, kwargs, i) for i in scratch), parts)
         return writes + parts, n_declared, scratch
 

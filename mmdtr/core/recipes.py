@@ -228,8 +228,9 @@ class Recipes:
                 # not the version the call read, and a write through it
                 # would not go to the storage being rebuilt (R5)
                 raise _UnrebuildableView
-            # of a storage from outside: held and version-checked as any
-            # input from outside (R13; a conj view shares its base's counter)
+            # of a storage from outside: as any input from outside, held
+            # and version-checked (R13; a conj view shares its base's
+            # counter), or not at all (memory torch may not own, R4)
             return self._held_external(t, storage, cdata)
         storage = t.untyped_storage()
         cdata = storage._cdata

@@ -28,7 +28,10 @@ from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FX_DIR = os.path.dirname(fx.__file__) + os.sep
-_LIBRARY_PACKAGES = frozenset(sys.stdlib_module_names) | {'torch'}
+# Python >= 3.10 lists its standard library; before, its code is scanned
+# too (more refusals, never a missed guard)
+_LIBRARY_PACKAGES = frozenset(getattr(sys, 'stdlib_module_names',
+                                      ())) | {'torch'}
 
 
 class CodeGuard:
@@ -41,14 +44,14 @@ class CodeGuard:
         value: The value the trace saw.
         what (str): Names it in messages.
     """
-    __slots__ = ('read', 'value', 'by_identity', 'what')
+    __slots__ = ('read', 'value', 'what')
 
     def __init__(self, read, value, what: str):
-        self.value, self.by_identity = how_to_check(value, what)
+        self.value = how_to_check(value, what)
         self.read, self.what = read, what
 
     def holds(self) -> bool:
-        return same_value(self.read(), self.value, self.by_identity)
+        return same_value(self.read(), self.value)
 
     def __deepcopy__(self, memo):
         return self
@@ -109,6 +112,12 @@ def guard_code(module: nn.Module) -> List[CodeGuard]:
     (``__wrapped__``, closure cells), the methods of the module's and its
     sub-modules' classes it names, and the functions these hold, outside
     torch and the standard library.
+
+    Args:
+        module (nn.Module): The module whose forward will be traced.
+
+    Returns:
+        list[CodeGuard]: One per global (per namespace) and cell.
 
     Raises:
         TraceRefused: If that code writes a global, or reads one (or a

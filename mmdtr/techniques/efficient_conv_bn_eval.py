@@ -48,10 +48,10 @@ from torch.nn.modules.conv import _ConvNd
 
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
-from .code_guards import guard_code
+from .code_guards import TypeWatchingTracer, guard_code
+from .guard_values import TraceRefused
 from .module_selection import outermost, resolve_modules
-from .traced_forward import (GuardedForward, TraceRefused, TypeWatchingTracer,
-                             watched_trace)
+from .traced_forward import GuardedForward, watched_trace
 
 #: ``fused(bn, conv, x) -> Tensor``: ``bn(conv(x))`` in the fused form.
 FusedForward = Callable[[_BatchNorm, _ConvNd, torch.Tensor], torch.Tensor]

@@ -23,10 +23,6 @@ import torch.nn as nn
 from .code_guards import CodeGuard, TypeWatchingTracer
 from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
 
-__all__ = [
-    'GuardedForward', 'TraceRefused', 'TypeWatchingTracer', 'watched_trace'
-]
-
 #: Attributes every module has: its parameters, buffers, children and
 #: hooks live in them, and ``training`` is traced in both modes instead.
 _MODULE_OWN = frozenset(vars(nn.Module())) | {'forward'}
@@ -38,13 +34,12 @@ _FX_CONSTANT = re.compile(r'_\w+_constant_?\d+$')
 
 class _Guard:
     """One attribute the trace read (of the module or a sub-module), and
-    how to tell it still holds: equality with a copy (plain data), identity
-    (tensors, functions), still absent (``getattr(self, 'x', default)``)."""
-    __slots__ = ('owner', 'name', 'value', 'by_identity')
+    how to tell it still holds: a snapshot (:mod:`.guard_values`), or still
+    absent (``getattr(self, 'x', default)``)."""
+    __slots__ = ('owner', 'name', 'value')
 
     def __init__(self, owner: nn.Module, name: str, value):
-        self.value, self.by_identity = how_to_check(
-            value, f'{type(owner).__name__}.{name}')
+        self.value = how_to_check(value, f'{type(owner).__name__}.{name}')
         self.owner, self.name = owner, name
 
     def holds(self) -> bool:
@@ -54,11 +49,15 @@ class _Guard:
             return now is ABSENT and not any(
                 self.name in owner.__dict__[d]
                 for d in ('_parameters', '_buffers', '_modules'))
-        return same_value(now, self.value, self.by_identity)
+        return same_value(now, self.value)
 
 
 def _is_watched(name: str) -> bool:
-    return name not in _MODULE_OWN and not name.startswith('__')
+    """Not the module's own machinery, nor a constant torch.fx adds (it
+    looks one up before it sets it: guarded as absent, the trace never ran;
+    found by a review)."""
+    return name not in _MODULE_OWN and not name.startswith('__') and \
+        not _FX_CONSTANT.match(name)
 
 
 def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
@@ -67,6 +66,10 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
     attributes of ``module`` and its sub-modules its code reads (a child's
     flag too), and those it looked for and did not find; refuse a write to
     an attribute of ``module``, and a type check of a proxy.
+
+    Args:
+        module (nn.Module): The module to trace.
+        tracer (TypeWatchingTracer): Traces it (``tracer.trace(module)``).
 
     Returns:
         tuple: The graph, and ``{(owner, name): value}`` of the attributes

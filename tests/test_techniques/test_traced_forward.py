@@ -366,7 +366,8 @@ def test_a_deep_copy_shares_the_guards_on_globals(monkeypatch):
     _fuse(model)
     twin = copy.deepcopy(model)
     guards = twin.__dict__['forward'].guards
-    assert any(getattr(g, 'what', '').endswith('._SCALE') for g in guards)
+    scale = [g for g in guards if getattr(g, 'what', '').endswith('._SCALE')]
+    assert scale and any(scale[0] is g for g in model.forward.guards)
     assert all(g.holds() for g in guards)
     monkeypatch.setitem(globals(), '_SCALE', 5.0)
     x = torch.randn(2, 4, 5, 5)
@@ -518,4 +519,36 @@ def test_a_module_logger_fuses_and_a_guard_that_cannot_compare_fails(
     scale = torch.tensor([1., 2., 3., 4.]).view(1, 4, 1, 1)
     monkeypatch.setitem(_SETTINGS_DICT, 'scale', scale)
     x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+
+
+_MEAN = torch.full((1, 4, 1, 1), 0.5)
+_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
+_CFG = {'act': 1}
+
+
+class _ReadsATensorATupleAndAFlag(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)) - _MEAN
+        y = y * 2 if _NORMS[0] is nn.BatchNorm2d else y
+        return y.relu() if _CFG['act'] is True else y
+
+
+def test_global_tensors_tuples_of_classes_and_nested_flags_are_guarded(
+        monkeypatch):
+    # found by a review: torch.fx's own constant (_tensor_constant0), looked
+    # up before it is set, was guarded as absent, so the trace never ran; a
+    # tuple of classes left the module unfused; and 1 == True inside a dict
+    plain, model = _pair(_ReadsATensorATupleAndAFlag)
+    assert _fuse(model)[0].fused_pairs == 1
+    assert all(g.holds() for g in model.forward.guards)
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+    monkeypatch.setitem(_CFG, 'act', True)
+    assert not all(g.holds() for g in model.forward.guards)
     assert torch.equal(plain(x), model(x))
