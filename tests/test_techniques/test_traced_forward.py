@@ -1,6 +1,7 @@
 """A Conv-BN trace runs only while what it read holds (found by an
 adversarial search: the trace baked in a supernet's choice, took a default
 ``identity=None`` for a tensor, and lost the forward's attribute writes)."""
+import collections
 import copy
 import functools
 import logging
@@ -552,3 +553,76 @@ def test_global_tensors_tuples_of_classes_and_nested_flags_are_guarded(
     monkeypatch.setitem(_CFG, 'act', True)
     assert not all(g.holds() for g in model.forward.guards)
     assert torch.equal(plain(x), model(x))
+
+
+_Pair = collections.namedtuple('_Pair', 'scale shift')
+
+
+class _ReadsSettings(nn.Module):
+    """Reads ``self.settings`` through ``read``, given at construction."""
+
+    def __init__(self, settings, read):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.settings, self.read = settings, read
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * self.read(self.settings)
+
+
+_SETTINGS_CASES = {
+    # (value, how it is read, a change made in place or a replacement)
+    'namedtuple': (_Pair(1.0, 0.0), lambda s: s.scale, _Pair(2.0, 0.0)),
+    'ordered_dict_reordered':
+    (collections.OrderedDict(a=1.0, b=2.0), lambda s: list(s.values())[0],
+     lambda s: s.move_to_end('a')),
+    'dict_reordered': ({
+        'a': 1.0,
+        'b': 2.0
+    }, lambda s: list(s.values())[0], {
+        'b': 2.0,
+        'a': 1.0
+    }),
+    'negative_zero': ([0.0], lambda s: 1 / (s[0] - 1e-3), [-0.0]),
+    'key_type': ({
+        1: 'x'
+    }, lambda s: list(s)[0], {
+        1.0: 'x'
+    }),
+    'nan_unchanged': ([float('nan'), 1.0], lambda s: s[1], None),
+}
+
+
+@pytest.mark.parametrize('case', sorted(_SETTINGS_CASES))
+def test_settings_of_every_shape_are_guarded_exactly(case):
+    # found by a review: a namedtuple raised TypeError at fusion, an
+    # OrderedDict or dict reordered, -0.0 and a key's type were not seen, and
+    # a NaN in a list never held
+    value, read, change = _SETTINGS_CASES[case]
+    torch.manual_seed(0)
+    plain = _ReadsSettings(copy.deepcopy(value), read)
+    model = copy.deepcopy(plain)
+    assert _fuse(model)[0].fused_pairs == 1
+    assert all(g.holds() for g in model.forward.guards)  # runs the trace
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+    if change is None:
+        return
+    for net in (plain, model):
+        if callable(change):
+            change(net.settings)
+        else:
+            net.settings = copy.deepcopy(change)
+    assert not all(g.holds() for g in model.forward.guards)
+    out, ref = model(x), plain(x)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+def test_a_method_bound_to_an_object_leaves_the_module_unfused():
+    # found by a review: it was kept by identity, and the object it reads
+    # changed unseen
+    config = {'scale': 1.0}
+    model = _ReadsSettings('scale', config.get)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0 and 'reads _ReadsSettings.read' in \
+        messages[0], messages
