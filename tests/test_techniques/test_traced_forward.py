@@ -23,12 +23,16 @@ from mmdtr.techniques.efficient_conv_bn_eval import \
 from mmdtr.techniques.traced_forward import GuardedForward
 
 
-class OptionalIdentity(nn.Module):
-    """mmdet-style: ``identity`` defaults to the input."""
+class _ConvBn(nn.Module):
+    """A Conv and a BN for the forwards below."""
 
     def __init__(self):
         super().__init__()
         self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+
+class OptionalIdentity(_ConvBn):
+    """mmdet-style: ``identity`` defaults to the input."""
 
     def forward(self, x, identity=None):
         if identity is None:
@@ -141,11 +145,7 @@ def test_a_deep_copy_runs_its_own_modules():
     assert model.convs.b.weight.grad is None
 
 
-class _Block(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _Block(_ConvBn):
 
     def forward(self, x):
         return self.bn(self.conv(x)).relu()
@@ -203,11 +203,7 @@ def test_an_absent_attribute_or_a_childs_flag_is_guarded(change):
     assert torch.equal(plain(x), model(x))
 
 
-class _Neck(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _Neck(_ConvBn):
 
     def forward(self, feats, scale):
         return self.bn(self.conv(feats[-1])) * scale
@@ -278,12 +274,8 @@ def test_guards_of_a_deep_copy_hold():
     assert guards and all(g.holds() for g in guards)
 
 
-class _TypeSwitch(nn.Module):
+class _TypeSwitch(_ConvBn):
     """Takes a tensor or a list of features (a neck's input)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
 
     def forward(self, x):
         if not isinstance(x, torch.Tensor):  # a proxy is not a tensor
@@ -307,12 +299,8 @@ _SCALE = 2.0
 _NEGATE = False
 
 
-class _ReadsGlobals(nn.Module):
+class _ReadsGlobals(_ConvBn):
     """Reads module-level settings, one through a helper method."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
 
     def forward(self, x):
         y = self.bn(self.conv(x)) * _SCALE
@@ -345,11 +333,7 @@ def test_a_changed_global_runs_the_modules_own_forward(cls, name, value,
 _SETTINGS = type('Settings', (), {'scale': 2.0})()
 
 
-class _ReadsAGlobalObject(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _ReadsAGlobalObject(_ConvBn):
 
     def forward(self, x):
         return self.bn(self.conv(x)) * _SETTINGS.scale
@@ -375,13 +359,9 @@ def test_a_deep_copy_shares_the_guards_on_globals(monkeypatch):
     assert torch.equal(twin(x), twin.bn(twin.conv(x)) * 5.0)
 
 
-class _Typed(nn.Module):
+class _Typed(_ConvBn):
     """Annotations, a rare deep copy and mmengine's deprecation wrapper:
     nothing a trace bakes in."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
 
     @deprecated_api_warning({'inputs': 'x'}, cls_name='_Typed')
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -429,11 +409,7 @@ _get_gain, _set_gain = _gain()
 _CALLS = 0
 
 
-class _Decorated(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _Decorated(_ConvBn):
 
     @_logged
     def forward(self, x):
@@ -457,22 +433,14 @@ def test_a_wrapped_forward_and_closure_cells_are_guarded(change, monkeypatch):
         _set_gain(2.0)
 
 
-class _IsTensor(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _IsTensor(_ConvBn):
 
     def forward(self, x):
         y = self.bn(self.conv(x))
         return y * 2 if torch.is_tensor(x) else y
 
 
-class _CountsCalls(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _CountsCalls(_ConvBn):
 
     def forward(self, x):
         global _CALLS
@@ -499,11 +467,7 @@ _LOGGER = logging.getLogger(__name__)
 _SETTINGS_DICT = {'scale': 1.0}
 
 
-class _LogsAndReadsADict(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _LogsAndReadsADict(_ConvBn):
 
     def forward(self, x):
         _LOGGER.debug('forward')
@@ -528,11 +492,7 @@ _NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
 _CFG = {'act': 1}
 
 
-class _ReadsATensorATupleAndAFlag(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+class _ReadsATensorATupleAndAFlag(_ConvBn):
 
     def forward(self, x):
         y = self.bn(self.conv(x)) - _MEAN
