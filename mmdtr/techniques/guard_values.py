@@ -6,15 +6,14 @@ strings, dtypes, devices, enums) as they are, compared by type and value
 functions, builtins and methods of modules and classes, typing constructs
 and loggers as themselves, compared by identity (rebinding is seen, a
 change inside is not: a value read through a module or a class,
-``settings.SCALE``, is not guarded); lists, tuples and dicts of these, four
-levels deep, rebuilt and compared item by item, in order, with their types
-(``1`` is not ``True``, nor ``1.0``); sets and other containers of scalars
-(namedtuples, ``OrderedDict``) copied whole and compared with their own
-``==``. Any other object (a method bound to an object, whose state it
-reads) cannot be checked, and the module is left unfused
+``settings.SCALE``, is not guarded); lists, tuples, dicts (and their
+subclasses: namedtuples, ``torch.Size``, ``OrderedDict``, mmengine's
+``ConfigDict``) and sets of these, four levels deep, kept as their type and
+items and compared item by item, in order, with their types (``1`` is not
+``True``, nor ``1.0``). Any other object (a method bound to an object,
+whose state it reads) cannot be checked, and the module is left unfused
 (:class:`TraceRefused`).
 """
-import copy
 import enum
 import types
 
@@ -24,7 +23,6 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
               torch.device, enum.Enum, range, slice)
 _BY_IDENTITY = (torch.Tensor, types.ModuleType, type, types.FunctionType)
 _IDENTITY_MODULES = ('typing', 'logging')  # Optional, List[int]; a logger
-_CONTAINERS = (list, tuple, dict, set, frozenset)
 _DEPTH = 4
 
 
@@ -63,61 +61,65 @@ def _by_identity(value) -> bool:
             owner is None or isinstance(owner, (types.ModuleType, type)))
 
 
-def _scalars_only(value, depth=0) -> bool:
+class _Kept:
+    """A snapshot of a container: its type and its items (a sequence's,
+    in order; a mapping's ``(key, value)`` pairs, in order; a set's
+    typed keys)."""
+    __slots__ = ('kind', 'items')
+
+    def __init__(self, kind: type, items):
+        self.kind, self.items = kind, items
+
+
+def _key(value):
+    """A hashable, typed, bit-exact key of a scalar or a tuple of them (a
+    set's member, a mapping's key): ``1``, ``True``, ``1.0``, ``0.0`` and
+    ``-0.0`` differ."""
+    if isinstance(value, float):
+        return float, value.hex()
+    if isinstance(value, complex):
+        return complex, value.real.hex(), value.imag.hex()
+    if isinstance(value, tuple):
+        return (type(value), ) + tuple(_key(v) for v in value)
     if isinstance(value, _IMMUTABLE):
-        return True
-    if depth < _DEPTH and isinstance(value, _CONTAINERS):
-        items = value.items() if isinstance(value, dict) else \
-            ((v, None) for v in value)
-        return all(
-            _scalars_only(k, depth + 1) and _scalars_only(v, depth + 1)
-            for k, v in items)
-    return False
-
-
-def _snapshot(value, depth=0):
-    """A copy of ``value`` that later changes to it do not reach."""
-    if isinstance(value, _IMMUTABLE) or _by_identity(value):
-        return value
-    kind = type(value)
-    if depth < _DEPTH and kind in (list, tuple):
-        return kind(_snapshot(v, depth + 1) for v in value)
-    if depth < _DEPTH and kind is dict and all(
-            isinstance(k, _IMMUTABLE) for k in value):
-        return {k: _snapshot(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, _CONTAINERS) and _scalars_only(value):
-        # a set, a namedtuple, an OrderedDict: copied whole, compared
-        # with its own == (an OrderedDict's sees the order)
-        return copy.deepcopy(value)
+        return type(value), value
     raise _Unchecked
 
 
-def _same_scalar(now, kept) -> bool:
-    if isinstance(kept, float):  # -0.0 is not 0.0, a NaN is itself
-        return now.hex() == kept.hex()
-    if isinstance(kept, complex):
-        return _same_scalar(now.real, kept.real) and \
-            _same_scalar(now.imag, kept.imag)
-    return bool(now == kept)
+def _snapshot(value, depth=0):
+    """What a guard keeps of ``value``: later changes to it do not reach
+    it. Subclasses (a namedtuple, ``torch.Size``, ``OrderedDict``,
+    mmengine's ``ConfigDict``) are kept as their type and items."""
+    if isinstance(value, _IMMUTABLE) or _by_identity(value):
+        return value
+    if depth >= _DEPTH:
+        raise _Unchecked
+    if isinstance(value, (list, tuple)):
+        return _Kept(type(value), [_snapshot(v, depth + 1) for v in value])
+    if isinstance(value, dict):
+        return _Kept(
+            type(value),
+            [(_key(k), _snapshot(v, depth + 1)) for k, v in value.items()])
+    if isinstance(value, (set, frozenset)):
+        return _Kept(type(value), frozenset(_key(v) for v in value))
+    raise _Unchecked
 
 
 def _same(now, kept) -> bool:
+    if isinstance(kept, _Kept):
+        if type(now) is not kept.kind:
+            return False
+        if isinstance(now, (list, tuple)):
+            return len(now) == len(kept.items) and all(
+                map(_same, now, kept.items))
+        if isinstance(now, dict):
+            return len(now) == len(kept.items) and all(
+                _key(k) == key and _same(v, item)
+                for (k, v), (key, item) in zip(now.items(), kept.items))
+        return frozenset(_key(v) for v in now) == kept.items
     if _by_identity(kept):
         return now is kept
-    kind = type(kept)
-    if type(now) is not kind:
-        return False
-    if kind in (list, tuple):
-        return len(now) == len(kept) and all(map(_same, now, kept))
-    if kind is dict:  # in order, keys of the same types
-        return [(type(k), k) for k in now] == [
-            (type(k), k) for k in kept
-        ] and all(_same(now[k], v) for k, v in kept.items())
-    if isinstance(kept, (set, frozenset)):
-        return {(type(v), v) for v in now} == {(type(v), v) for v in kept}
-    if isinstance(kept, _CONTAINERS):
-        return bool(now == kept)  # a copied subclass: its own ==
-    return _same_scalar(now, kept)
+    return type(now) is type(kept) and _key(now) == _key(kept)
 
 
 def how_to_check(value, what: str):

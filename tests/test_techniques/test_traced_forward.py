@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn as nn
+from mmengine.config import ConfigDict
 from mmengine.model.efficient_conv_bn_eval import \
     efficient_conv_bn_eval_control as fused
 from mmengine.utils import deprecated_api_warning
@@ -550,14 +551,26 @@ _SETTINGS_CASES = {
         1.0: 'x'
     }),
     'nan_unchanged': ([float('nan'), 1.0], lambda s: s[1], None),
+    'config_dict_flag': (ConfigDict(c=1), lambda s: 2.0
+                         if s.c is True else 1, ConfigDict(c=True)),
+    'namedtuple_flag': (_Pair(1, 0), lambda s: 2.0
+                        if s.scale is True else 1, _Pair(True, 0)),
+    'config_dict_negative_zero':
+    (ConfigDict(c=0.0), lambda s: s.c + 1, ConfigDict(c=-0.0)),
+    'set_member_type': ({(1, )}, lambda s: len(s), {(True, )}),
+    'config_dict_of_a_class': (ConfigDict(type=nn.ReLU), lambda s: 2.0
+                               if s.type is nn.ReLU else 1.0,
+                               ConfigDict(type=nn.GELU)),
 }
 
 
 @pytest.mark.parametrize('case', sorted(_SETTINGS_CASES))
 def test_settings_of_every_shape_are_guarded_exactly(case):
-    # found by a review: a namedtuple raised TypeError at fusion, an
-    # OrderedDict or dict reordered, -0.0 and a key's type were not seen, and
-    # a NaN in a list never held
+    # found by two reviews: a namedtuple raised TypeError at fusion, an
+    # OrderedDict or dict reordered, -0.0 and a key's type were not seen, a
+    # NaN in a list never held; 1 and True, 0.0 and -0.0 were one inside a
+    # ConfigDict, a namedtuple or a set; a ConfigDict holding a class left
+    # the module unfused
     value, read, change = _SETTINGS_CASES[case]
     torch.manual_seed(0)
     plain = _ReadsSettings(copy.deepcopy(value), read)
