@@ -39,7 +39,8 @@ class _Guard:
     __slots__ = ('owner', 'name', 'value')
 
     def __init__(self, owner: nn.Module, name: str, value):
-        self.value = how_to_check(value, f'{type(owner).__name__}.{name}')
+        where = owner if isinstance(owner, type) else type(owner)
+        self.value = how_to_check(value, f'{where.__name__}.{name}')
         self.owner, self.name = owner, name
 
     def holds(self) -> bool:
@@ -60,6 +61,27 @@ def _is_watched(name: str) -> bool:
         not _FX_CONSTANT.match(name)
 
 
+def _snapshot_or_none(value):
+    try:
+        return how_to_check(value, '')
+    except TraceRefused:
+        return None
+
+
+def _data_class_attribute(cls: type, name: str):
+    """The class (outside torch) whose plain data attribute ``name`` an
+    instance of ``cls`` without one of its own reads, or ``None`` (a method,
+    a property, torch's own)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            attr = vars(klass)[name]
+            outside_torch = klass.__module__.split('.')[0] not in ('torch',
+                                                                   'builtins')
+            return klass if outside_torch and not hasattr(
+                type(attr), '__get__') else None
+    return None
+
+
 def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
                   ) -> Tuple[fx.Graph, Dict[tuple, object]]:
     """Trace ``module`` with ``tracer`` while recording the plain
@@ -76,17 +98,26 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
         read (``ABSENT`` for those not found).
 
     Raises:
-        TraceRefused: If the forward writes an attribute of the module or
-            checks the type of a value the trace stands in for.
+        TraceRefused: If the forward writes an attribute of the module
+            (or changes one in place: a list it appends to), or checks the
+            type of a value the trace stands in for.
     """
-    reads, writes = {}, []
+    reads, writes, first = {}, [], {}
     classes = {m: type(m) for m in module.modules()}
 
     def read(self, name):  # through the class's own (a child may have one)
         value = classes[self].__getattribute__(self, name)
-        if _is_watched(name) and \
-                name in object.__getattribute__(self, '__dict__'):
-            reads.setdefault((self, name), value)
+        if not _is_watched(name):
+            return value
+        if name in object.__getattribute__(self, '__dict__'):
+            if (self, name) not in reads:
+                reads[self, name] = value
+                first[self, name] = _snapshot_or_none(value)
+        else:  # a class attribute: guarded on its class (found by a review)
+            klass = _data_class_attribute(classes[self], name)
+            if klass is not None:
+                reads.setdefault((self, name), ABSENT)  # not shadowed
+                reads.setdefault((klass, name), vars(klass)[name])
         return value
 
     def missing(self, name):
@@ -130,6 +161,11 @@ def watched_trace(module: nn.Module, tracer: TypeWatchingTracer
         raise TraceRefused(
             f'its own forward sets self.{writes[0]}, which a trace would '
             'not do')
+    for (owner, name), kept in first.items():  # a counter in a list
+        if kept is not None and not same_value(owner.__dict__.get(name), kept):
+            raise TraceRefused(
+                f'its own forward changes self.{name} in place, which a '
+                'trace would not do')
     if tracer.type_checks:  # else the branch taken is fixed
         raise TraceRefused(
             'its own code checks the type of an argument or of a value '

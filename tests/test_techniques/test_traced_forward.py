@@ -599,3 +599,47 @@ def test_a_method_bound_to_an_object_leaves_the_module_unfused():
     result, messages = _fuse(model)
     assert result.fused_pairs == 0 and 'reads _ReadsSettings.read' in \
         messages[0], messages
+
+
+class _ClassSetting(_ConvBn):
+    SCALE = 1.0
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * self.SCALE
+
+
+@pytest.mark.parametrize('where', ['class', 'instance'])
+def test_a_class_attribute_read_through_self_is_guarded(where, monkeypatch):
+    # found by a review: only the instance's own attributes were guarded
+    plain, model = _pair(_ClassSetting)
+    assert _fuse(model)[0].fused_pairs == 1
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.equal(plain(x), model(x))
+    if where == 'class':
+        monkeypatch.setattr(_ClassSetting, 'SCALE', 3.0)
+    else:
+        plain.SCALE = model.SCALE = 3.0
+    assert torch.equal(plain(x), model(x))
+
+
+class _CountsInAList(_ConvBn):
+
+    def __init__(self):
+        super().__init__()
+        self.calls = [0]
+
+    def forward(self, x):
+        self.calls[0] += 1
+        return self.bn(self.conv(x))
+
+
+def test_a_forward_changing_its_attribute_in_place_is_left_unfused():
+    # found by a review: the count stopped at the trace's; the trace has
+    # run the forward (twice) before it is refused
+    _, model = _pair(_CountsInAList)
+    result, messages = _fuse(model)
+    assert result.fused_pairs == 0
+    assert 'changes self.calls in place' in messages[0], messages
+    before = model.calls[0]
+    model(torch.randn(2, 4, 5, 5))
+    assert model.calls[0] == before + 1
