@@ -227,6 +227,15 @@ def _on_cpu(module: nn.Module) -> bool:
     return all(t.device.type == 'cpu' for t in tensors)
 
 
+def _without_cuda_devices(module: nn.Module, kwargs: dict) -> dict:
+    """DDP's keyword arguments for ``module``: on the CPU, without the
+    CUDA ``device_ids`` and ``output_device`` MMEngine's runner passes."""
+    if _on_cpu(module):
+        kwargs.pop('device_ids', None)
+        kwargs.pop('output_device', None)
+    return kwargs
+
+
 @MODEL_WRAPPERS.register_module()
 class MMDTRDistributedDataParallel(MMDistributedDataParallel):
     """:class:`~mmengine.model.MMDistributedDataParallel` that runs on CPU.
@@ -257,13 +266,10 @@ class MMDTRDistributedDataParallel(MMDistributedDataParallel):
                  module: nn.Module,
                  detect_anomalous_params: bool = False,
                  **kwargs):
-        if _on_cpu(module):
-            kwargs.pop('device_ids', None)
-            kwargs.pop('output_device', None)
         super().__init__(
             module=module,
             detect_anomalous_params=detect_anomalous_params,
-            **kwargs)
+            **_without_cuda_devices(module, kwargs))
 
 
 @MODEL_WRAPPERS.register_module()
@@ -289,11 +295,8 @@ class MMDTRSeparateDistributedDataParallel(MMSeparateDistributedDataParallel):
                  broadcast_buffers: bool = False,
                  find_unused_parameters: bool = False,
                  **kwargs):
-        if _on_cpu(module):
-            kwargs.pop('device_ids', None)
-            kwargs.pop('output_device', None)
         super().__init__(
             module,
             broadcast_buffers=broadcast_buffers,
             find_unused_parameters=find_unused_parameters,
-            **kwargs)
+            **_without_cuda_devices(module, kwargs))

@@ -159,15 +159,15 @@ class Accounting:
         new: neither known nor parts of the call's other arguments (R11). A
         sparse tensor is never recorded (R4).
 
-        Args:
-            t (Tensor): The sparse output.
-            args (tuple): The call's positional arguments.
-            kwargs (dict): Its keyword arguments.
-
         An argument returned (``add_``, ``AccumulateGrad``'s ``grad +=``)
         may hold new parts now, so its own parts are not taken for old
         ones: one kept from before the scope (``mul_`` keeps the indices)
         is then counted, on the safe side (found by a review).
+
+        Args:
+            t (Tensor): The sparse output.
+            args (tuple): The call's positional arguments.
+            kwargs (dict): Its keyword arguments.
         """
         known = None
         for part in sparse_parts(t):

@@ -72,6 +72,12 @@ def _cell(cell):
     return read
 
 
+def is_library_class(klass: type) -> bool:
+    """torch's or a builtin: its methods and attributes are not the
+    model's."""
+    return klass.__module__.split('.')[0] in ('torch', 'builtins')
+
+
 def _is_library(function: types.FunctionType) -> bool:
     """torch's or the standard library's: not the model's code."""
     package = (getattr(function, '__module__', None) or '').split('.')[0]
@@ -125,7 +131,7 @@ def guard_code(module: nn.Module) -> List[CodeGuard]:
     """
     classes = [
         klass for m in module.modules() for klass in type(m).__mro__
-        if klass.__module__.split('.')[0] not in ('torch', 'builtins')
+        if not is_library_class(klass)
     ]
     guards, seen, todo = {}, set(), [type(module).forward]
     while todo:

@@ -108,19 +108,12 @@ class RecomputeContext:
         owner (str): The module's class name, for the message.
     """
 
-    def __init__(self,
-                 guard: RunningStatsGuard,
-                 sac_context,
-                 inputs: Optional[list] = None,
-                 params: Optional['ParameterRecord'] = None,
-                 generation: Optional[list] = None,
-                 owner: str = ''):
+    def __init__(self, guard: RunningStatsGuard, sac_context, inputs: list,
+                 params: 'ParameterRecord', generation: list, owner: str):
         self.guard = guard
         self.sac_context = sac_context
-        self.inputs = inputs if inputs is not None else []
-        self.params = params if params is not None else ParameterRecord()
-        self.generation = generation if generation is not None else [0]
-        self.owner = owner
+        self.inputs, self.params = inputs, params
+        self.generation, self.owner = generation, owner
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Tuple
 import torch.fx as fx
 import torch.nn as nn
 
-from .code_guards import CodeGuard, TypeWatchingTracer
+from .code_guards import CodeGuard, TypeWatchingTracer, is_library_class
 from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
 
 #: Attributes every module has: its parameters, buffers, children and
@@ -75,9 +75,7 @@ def _data_class_attribute(cls: type, name: str):
     for klass in cls.__mro__:
         if name in vars(klass):
             attr = vars(klass)[name]
-            outside_torch = klass.__module__.split('.')[0] not in ('torch',
-                                                                   'builtins')
-            return klass if outside_torch and not hasattr(
+            return klass if not is_library_class(klass) and not hasattr(
                 type(attr), '__get__') else None
     return None
 
