@@ -10,31 +10,25 @@ recomputations come from the log. Time per iteration is the median over the
 iterations after the profiled one.
 """
 import argparse
-import copy
 import os.path as osp
 import statistics
 import sys
 import tempfile
-import types
 
 from mmengine.hooks import Hook
-from mmengine.registry import DefaultScope
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
-import mmdtr.adapters.config_translation as translation  # noqa: E402
 from mmdtr.adapters.config_translation import (  # noqa: E402
     MEMORY_KEY_TRANSLATORS, translate_memory_keys)
 from mmdtr.adapters.runner import MMDTRRunner  # noqa: E402
 from mmdtr.core.sizes import format_size  # noqa: E402
 from mmdtr.errors import MmdtrError  # noqa: E402
-from mmdtr.registry import HOOKS, MODELS  # noqa: E402
 from mmdtr.utils import cfg_options  # noqa: E402
+from mmdtr.utils.module_names import check_module_names  # noqa: E402
 from mmdtr.utils.profiler_memory import memory_deltas  # noqa: E402
 
 PROFILED_ITER = 1  # the first iteration warms up; time the ones after
-# the memory keys whose hooks select modules by name (checked on the model)
-SELECTING_KEYS = ('activation_checkpointing', 'efficient_conv_bn_eval')
 
 
 class _PeakProbe(Hook):
@@ -152,30 +146,9 @@ def build_cfg(args):
             'the baseline with.',
             hint='turn one on, e.g. --cfg-options '
             'dtr.eviction_threshold=200MB.')
-    _check_module_names(translate_memory_keys(cfg))
+    check_module_names(translate_memory_keys(cfg))
     translate_memory_keys(_without_features(cfg))
     return cfg, features
-
-
-def _check_module_names(cfg) -> None:
-    """Run the name checks that the hooks selecting modules run in
-    ``before_run`` on the model, built once here, so that a typo
-    (``activation_checkpointing=backbone.layr2``) is refused before the
-    baseline trains, not after it."""
-    names = [translation.MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
-    selecting = [  # mmdtr's own: other hooks may be another scope's
-        HOOKS.build(copy.deepcopy(h)) for h in cfg.custom_hooks
-        if isinstance(h, dict) and translation.hook_name(h) in names
-    ]
-    if not selecting:
-        return
-    with DefaultScope.overwrite_default_scope(cfg.get('default_scope')):
-        try:
-            model = MODELS.build(cfg.model)
-        except Exception:  # noqa: B902 - the runner will say why
-            return  # (another scope's model, say): checked when it trains
-    for hook in selecting:
-        hook.before_run(types.SimpleNamespace(model=model, cfg=cfg))
 
 
 def demo(args) -> None:

@@ -19,10 +19,11 @@ from mmengine.registry import RUNNERS
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.distributed import close_dist
 from mmdtr.adapters.runner import (MMDTRRunner, amp_convertible,
-                                   check_amp_available)
+                                   check_amp_available, dump_config_as_written)
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
                                      read_config)
+from mmdtr.utils.module_names import check_module_names
 from mmdtr.utils.work_dirs import check_work_dir
 
 
@@ -144,10 +145,19 @@ def build_cfg(args) -> Config:
 
 
 def build_runner(cfg: Config):
-    """Build mmdtr's runner, or the config's own ``runner_type``."""
-    if 'runner_type' in cfg:
-        return RUNNERS.build(cfg)
-    return MMDTRRunner.from_cfg(cfg)
+    """Build mmdtr's runner, or the config's own ``runner_type``.
+
+    Another runner (MMEngine's ``Runner``) dumps the translated config to
+    its work dir; it is dumped again as written, as mmdtr's runner dumps it,
+    so that a restart from the dump honours ``--cfg-options`` on the memory
+    keys (found by an adversarial search).
+    """
+    if 'runner_type' not in cfg:
+        return MMDTRRunner.from_cfg(cfg)
+    runner = RUNNERS.build(cfg)
+    if not isinstance(runner, MMDTRRunner):
+        dump_config_as_written(runner)
+    return runner
 
 
 def _from_the_engine(error: BaseException) -> bool:
@@ -161,6 +171,11 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         cfg = build_cfg(args)
+        if args.check_config or args.launcher == 'none':
+            # before the runner makes its work dir; under dist_train.sh
+            # once, in its check, not in every rank (found by an
+            # adversarial search)
+            check_module_names(cfg)
         if args.check_config:
             return
         runner = build_runner(cfg)

@@ -296,21 +296,11 @@ class MMDTRRunner(Runner):
         check_amp_available(cfg.get('optim_wrapper'))
         return super().from_cfg(cfg)
 
-    @master_only
     def dump_config(self) -> None:
-        """Dump the config as written, with mmdtr's keys, to ``work_dir``.
-
-        The runner trains with the translated config (the keys turned into
-        hooks); dumping that would make a restart from the dumped file
-        ignore ``--cfg-options`` on the keys, or refuse them as configured
-        twice.
-        """
-        source = getattr(self.cfg, SOURCE_ATTR, None)
-        if source is None:
-            return super().dump_config()
-        filename = osp.basename(source.filename) if source.filename \
-            is not None else f'{self.timestamp}.py'
-        source.dump(osp.join(self.work_dir, filename))
+        """Dump the config as written, with mmdtr's keys, to ``work_dir``
+        (see :func:`dump_config_as_written`)."""
+        if not dump_config_as_written(self):
+            super().dump_config()
 
     def setup_env(self, env_cfg: Dict) -> None:
         """Set up the environment; on CPU, initialise gloo first.
@@ -374,6 +364,33 @@ class MMDTRRunner(Runner):
         elif isinstance(name, str) and mmdtr_only(MODEL_WRAPPERS, name):
             cfg['type'] = f'mmdtr.{name}'
         return cfg
+
+
+@master_only
+def dump_config_as_written(runner: Runner) -> bool:
+    """Dump the config as written, with mmdtr's keys, to the work dir.
+
+    A runner trains with the translated config (the keys turned into
+    hooks); dumping that would make a restart from the dumped file refuse
+    ``--cfg-options`` on the keys as configured twice. The file is the one
+    MMEngine's ``Runner.dump_config`` writes, so this replaces its dump.
+
+    Args:
+        runner (Runner): A runner whose config
+            :func:`~mmdtr.adapters.config_translation.translate_memory_keys`
+            made.
+
+    Returns:
+        bool: Whether there was a config as written to dump (``False`` for
+        a config that was not translated).
+    """
+    source = getattr(runner.cfg, SOURCE_ATTR, None)
+    if source is None:
+        return False
+    filename = osp.basename(source.filename) if source.filename \
+        is not None else f'{runner.timestamp}.py'
+    source.dump(osp.join(runner.work_dir, filename))
+    return True
 
 
 # ``runner_type='MMDTRRunner'`` must resolve under any default scope (e.g. a

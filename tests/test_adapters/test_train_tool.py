@@ -92,7 +92,9 @@ def test_module_name_typo_fails_in_one_line(toy_config, tmp_path, run_train):
     assert lines[-1].startswith('MmdtrError: mmdtr: activation_checkpointing'
                                 ': no sub-module'), proc.stderr[-3000:]
     assert 'Traceback' not in proc.stderr
-    assert not list((tmp_path / 'wd').glob('*.pth'))  # no iteration ran
+    # checked before the runner is built: no work dir, no dumped config
+    # (found by an adversarial search)
+    assert not (tmp_path / 'wd').exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
@@ -262,6 +264,27 @@ def test_dumped_config_keeps_the_keys_as_written(train_tool, toy_config,
               'dtr.eviction_threshold=3XB')
 
 
+def test_dump_of_another_runner_type_keeps_the_keys_as_written(
+        train_tool, toy_config, tmp_path):
+    # MMEngine's Runner dumped the translated config: a restart from it
+    # with --cfg-options on the key was refused as configured twice (found
+    # by an adversarial search)
+    work_dir = tmp_path / 'wd'
+    cfg = build(train_tool, toy_config, '--work-dir', str(work_dir),
+                '--cfg-options', 'custom_imports.imports=[toy_classifier]',
+                'log_level=WARNING', 'dtr.eviction_threshold=64KB',
+                'runner_type=Runner')
+    runner = train_tool.build_runner(cfg)
+    assert type(runner).__name__ == 'Runner'
+    text = (work_dir / 'toy_cfg.py').read_text()
+    assert "eviction_threshold='64KB'" in text and 'DTRHook' not in text
+    cfg = build(train_tool, str(work_dir / 'toy_cfg.py'), '--cfg-options',
+                'dtr.eviction_threshold=3GB')
+    assert cfg.custom_hooks == [
+        dict(type='mmdtr.DTRHook', eviction_threshold='3GB')
+    ]
+
+
 def run_dist_train(cwd, *args, env=None, timeout=60):
     """tools/dist_train.sh ARGS in ``cwd``; ``env`` overrides variables."""
     return subprocess.run(
@@ -347,6 +370,27 @@ def test_dist_train_checks_the_config_once(toy_config, tmp_path,
         timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.startswith('MmdtrError: mmdtr: dtr='), proc.stderr
+    assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
+    assert not (tmp_path / 'work_dirs').exists()
+
+
+def test_dist_train_checks_module_names_once(toy_config, tmp_path,
+                                             subprocess_env):
+    # checked in each rank's before_run: the error came once per rank, then
+    # torchrun's traceback, after the work dir was made (found by an
+    # adversarial search)
+    proc = run_dist_train(
+        tmp_path,
+        toy_config,
+        '2',
+        '--cfg-options',
+        'custom_imports.imports=[toy_classifier]',
+        'activation_checkpointing=[layer9]',
+        env=subprocess_env(),
+        timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith('MmdtrError: mmdtr: activation_'
+                                  'checkpointing: no sub-module'), proc.stderr
     assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
     assert not (tmp_path / 'work_dirs').exists()
 
