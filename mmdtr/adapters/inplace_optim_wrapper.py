@@ -156,7 +156,12 @@ class InplaceOptimWrapper(OptimWrapper):
                 (also of every per-parameter step).
             zero_kwargs (dict, optional): Arguments of
                 ``optimizer.zero_grad``.
+
+        Raises:
+            MmdtrError: On ``zero_kwargs=dict(set_to_none=False)``, before
+                anything runs (see :meth:`zero_grad`).
         """
+        _refuse_zeroed_gradients(zero_kwargs or {})  # before the step
         self._step_kwargs = step_kwargs or {}
         try:
             super().update_params(loss, step_kwargs, zero_kwargs)
@@ -230,7 +235,13 @@ class InplaceOptimWrapper(OptimWrapper):
 
         Args:
             **kwargs: Keyword arguments of ``optimizer.zero_grad``.
+
+        Raises:
+            MmdtrError: On ``set_to_none=False``: the wrapper sets every
+                gradient to None after its step, so an unused parameter
+                would not step where zeroed gradients step it.
         """
+        _refuse_zeroed_gradients(kwargs)
         super().zero_grad(**kwargs)
         self._stepped_since_backward = True
 
@@ -295,3 +306,19 @@ class InplaceOptimWrapper(OptimWrapper):
                 f'step_in_backward: {self.step_in_backward}\n'
                 f'amp: {self.amp} (dtype {self.cast_dtype}, loss scaler '
                 f'{self.loss_scaler is not None})\n')
+
+
+def _refuse_zeroed_gradients(zero_kwargs: Dict) -> None:
+    """Refuse ``set_to_none=False``: the wrapper sets every gradient to None
+    after its step, so a parameter without a gradient in the next iteration
+    (an unused branch) would not step, where with zeroed gradients its
+    weight decay and momentum step it (found by an adversarial search)."""
+    if not zero_kwargs.get('set_to_none', True):
+        raise MmdtrError(
+            f"InplaceOptimWrapper: zero_grad(set_to_none="
+            f"{zero_kwargs['set_to_none']!r}) is not accepted: the wrapper "
+            'sets every gradient to None after its step (to free them), so '
+            'an unused parameter would not step where zeroed gradients '
+            'step it (weight decay, momentum).',
+            hint='drop set_to_none (zero_kwargs), or use MMEngine\'s '
+            'OptimWrapper to keep zeroed gradients.')

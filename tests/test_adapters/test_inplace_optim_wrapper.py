@@ -346,3 +346,29 @@ def test_static_loss_scale_stays():
         InplaceOptimWrapper, amp=dict(dtype='float16', loss_scale=8.0))
     train(model, wrapper, 2)
     assert wrapper.loss_scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize('step_in_backward', [False, True])
+@pytest.mark.parametrize('value', [False, None, 0])
+def test_zeroed_gradients_are_refused_before_the_step(step_in_backward, value):
+    # accepted, they left an unused branch's parameters unstepped where
+    # OptimWrapper's zeroed gradients step them through weight decay and
+    # momentum: every parameter differed (found by an adversarial search)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = copy.deepcopy(model.state_dict())
+    wrapper = InplaceOptimWrapper(
+        torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+        step_in_backward=step_in_backward)
+    loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(MmdtrError, match=r'set_to_none=.* is not accepted'):
+        wrapper.update_params(loss, zero_kwargs=dict(set_to_none=value))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])  # nothing stepped
+    assert model.weight.grad is None  # nor back-propagated
+    with pytest.raises(MmdtrError, match=r'set_to_none=.* is not accepted'):
+        wrapper.zero_grad(set_to_none=value)
+    wrapper.update_params(
+        model(torch.randn(3, 4)).sum(), zero_kwargs=dict(set_to_none=True))
+    assert not torch.equal(model.weight, before['weight'])
