@@ -22,6 +22,9 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
   in place: their recompute would read the updated values;
 - the recompute runs in full (no early stop), so an op that writes a
   tensor after saving it (``rrelu``'s noise) is replayed whole;
+- ``torch.Generator`` s held by the module and its descendants are put back
+  to their states at the forward's start for the recompute, and left
+  where the forward left them (:class:`.GeneratorStates`);
 - it is DDP-safe: non-reentrant checkpointing runs the recompute inside the
   autograd graph of the outer backward, so DDP's gradient hooks fire once
   per parameter as usual.
@@ -40,9 +43,10 @@ from torch.utils.checkpoint import (checkpoint,
 
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
-from .recompute_guards import (RecomputeContext, RunningStatsGuard,
-                               parameter_record, tracking_norms, watch_buffers,
-                               watch_versions, written_buffer, written_since)
+from .recompute_guards import (GeneratorStates, RecomputeContext,
+                               RunningStatsGuard, parameter_record,
+                               tracking_norms, watch_buffers, watch_versions,
+                               written_buffer, written_since)
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 
@@ -81,8 +85,9 @@ class _CheckedRecompute:
         return self.recompute_context.__exit__(*exc_info)
 
 
-def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
-                forward_contexts: list, owner: str, inputs: list, params,
+def _context_fn(norms: list, generators: GeneratorStates,
+                policy: Optional[Tuple[str, ...]], forward_contexts: list,
+                owner: str, inputs: list, params,
                 generation: list) -> Tuple[object, object]:
     if policy:
         fwd, recompute = create_selective_checkpoint_contexts(
@@ -92,7 +97,8 @@ def _context_fn(norms: list, policy: Optional[Tuple[str, ...]],
     else:
         fwd, recompute = nullcontext(), nullcontext()
     return fwd, RecomputeContext(
-        RunningStatsGuard(norms), recompute, inputs, params, generation, owner)
+        RunningStatsGuard(norms), generators, recompute, inputs, params,
+        generation, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -154,8 +160,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # what the recompute reads, as the forward leaves it (filled after it)
     watched_inputs, params, generation = [], parameter_record(self), [0]
     params.note_forward(self)
-    context_fn = functools.partial(_context_fn, norms, policy,
-                                   forward_contexts,
+    context_fn = functools.partial(_context_fn, norms, GeneratorStates(self),
+                                   policy, forward_contexts,
                                    type(self).__name__, watched_inputs, params,
                                    generation)
     buffers = watch_buffers(self, norms)

@@ -72,6 +72,43 @@ class RunningStatsGuard:
             setattr(norm, name, buffer)
 
 
+class GeneratorStates:
+    """During the recompute, put the module's own ``torch.Generator`` s
+    back to their states at the forward's start; after it, where the
+    recompute found them.
+
+    ``torch.utils.checkpoint`` restores only the default generators, so a
+    module drawing from a generator it holds (``self.gen``) drew the next
+    numbers in the recompute, and advanced the generator a second time
+    (found by an adversarial search). Re-entrant, as
+    :class:`RunningStatsGuard`.
+
+    Args:
+        module (nn.Module): The checkpointed module, at its forward's start:
+            the generators held as attributes by it and its descendants
+            are read then.
+    """
+
+    def __init__(self, module: nn.Module):
+        generators = {}
+        for m in module.modules():
+            for value in vars(m).values():
+                if isinstance(value, torch.Generator):
+                    generators[id(value)] = value
+        self.states = [(g, g.get_state()) for g in generators.values()]
+        self._stack: List[list] = []
+
+    def __enter__(self) -> 'GeneratorStates':
+        self._stack.append([(g, g.get_state()) for g, _ in self.states])
+        for g, state in self.states:
+            g.set_state(state)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for g, state in self._stack.pop():
+            g.set_state(state)
+
+
 def watch_versions(tensors) -> list:
     """``(weak reference, version)`` of each tensor among ``tensors`` that
     has a version counter. Weak: a strong reference held until backward
@@ -91,12 +128,14 @@ def written_since(watched: list) -> Optional[torch.Tensor]:
 
 
 class RecomputeContext:
-    """The running-stats guard plus, if selective, SAC's recompute mode;
+    """The running-stats guard, the module's generators' states and, if
+    selective, SAC's recompute mode;
     refuses to recompute when a parameter or input the forward read was
     written since.
 
     Args:
         guard (RunningStatsGuard): The guard of the module's norm layers.
+        generators (GeneratorStates): The module's own generators.
         sac_context: The recompute context of a selective policy, or a
             null context.
         inputs (list): ``(tensor, version)`` of the call's tensor inputs
@@ -108,9 +147,10 @@ class RecomputeContext:
         owner (str): The module's class name, for the message.
     """
 
-    def __init__(self, guard: RunningStatsGuard, sac_context, inputs: list,
-                 params: 'ParameterRecord', generation: list, owner: str):
-        self.guard = guard
+    def __init__(self, guard: RunningStatsGuard, generators: GeneratorStates,
+                 sac_context, inputs: list, params: 'ParameterRecord',
+                 generation: list, owner: str):
+        self.guard, self.generators = guard, generators
         self.sac_context = sac_context
         self.inputs, self.params = inputs, params
         self.generation, self.owner = generation, owner
@@ -135,6 +175,7 @@ class RecomputeContext:
                 'step_in_backward=False, or write out of place.')
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
+            stack.enter_context(self.generators)
             stack.enter_context(self.sac_context)
             self._stacks.append(stack.pop_all())
 

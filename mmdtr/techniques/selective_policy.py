@@ -69,27 +69,65 @@ def _canonical_op(name: str, policy) -> str:
         raise _bad_policy(
             policy, f'aten.{parts[0]} has no overload {parts[1]!r} '
             f'(overloads: {packet.overloads()})')
-    if not _kept_overloads(packet, parts[1:]):
-        raise _bad_policy(
-            policy, f'{name!r} writes its input in place: the output it '
-            'would keep is the written input, which selective '
-            'checkpointing refuses in backward')
+    ops = [getattr(packet, o) for o in parts[1:] or packet.overloads()]
+    reasons = [_not_kept_why(packet, op) for op in ops]
+    if all(reasons):
+        raise _bad_policy(policy, f'{name!r} {reasons[0]}')
     return 'aten.' + '.'.join(parts)
 
 
-def _kept_overloads(packet, overloads: Sequence[str]) -> list:
-    """The overloads of ``packet`` named (all if none) that return no
-    written argument: the out= and in-place ones (``add_``'s list overload
-    too, whose schema does not say it) are never kept; batch norm's, which
-    write the running statistics and return new tensors, are."""
-    ops = [getattr(packet, o) for o in overloads or packet.overloads()]
-    in_place = packet.__name__.endswith('_')
-    return [
-        op for op in ops
-        if not (in_place and op._schema.is_mutable) and not any(
+#: the arguments that a kept op may write: batch norm's running statistics,
+#: updated once, in the forward (the recompute skips a kept op)
+_KEPT_WRITES = frozenset(('running_mean', 'running_var'))
+
+
+def _not_kept_why(packet, op) -> Optional[str]:
+    """Why a policy cannot keep ``op``'s output, or ``None`` if it can.
+
+    Never kept: out= and in-place ops (``add_``'s list overload too, whose
+    schema does not say it): the output is the written input, which
+    selective checkpointing refuses in backward; an op writing another
+    argument that backward reads (``rrelu_with_noise``'s noise: the
+    recompute skips it, so backward read uninitialised noise); and an op
+    drawing random numbers, but for attention with ``dropout_p``, which
+    :class:`_SavePolicy` keeps only when it is 0 (the recompute skips a
+    kept op's draw, so the ops after it drew other numbers). Found by an
+    adversarial search.
+    """
+    schema = op._schema
+    if (packet.__name__.endswith('_') and schema.is_mutable) or any(
             r.alias_info is not None and r.alias_info.is_write
-            for r in op._schema.returns)
+            for r in schema.returns):
+        return ('writes its input in place: the output it would keep is '
+                'the written input, which selective checkpointing refuses '
+                'in backward')
+    written = [
+        a.name for a in schema.arguments if a.alias_info is not None
+        and a.alias_info.is_write and a.name not in _KEPT_WRITES
     ]
+    if written:
+        return (f'writes its argument {written[0]!r}, which the recompute '
+                'would skip if the op were kept')
+    if torch.Tag.nondeterministic_seeded in op.tags and \
+            _dropout_index(op) is None:
+        return ('draws random numbers: kept, the recompute would skip its '
+                'draw and the random ops after it would draw other numbers')
+    return None
+
+
+def _dropout_index(op) -> Optional[int]:
+    """The position of ``op``'s ``dropout_p`` argument, or ``None``."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == 'dropout_p':
+            return i
+    return None
+
+
+def _kept_overloads(packet, overloads: Sequence[str]) -> list:
+    """The overloads of ``packet`` named (all if none) that a policy may
+    keep (:func:`_not_kept_why`)."""
+    ops = [getattr(packet, o) for o in overloads or packet.overloads()]
+    return [op for op in ops if _not_kept_why(packet, op) is None]
 
 
 def normalize_policy(policy: Union[None, str, Sequence[str]]
@@ -140,11 +178,24 @@ class _SavePolicy:
     def __init__(self, overloads: Tuple[object, ...]):
         self.overloads = overloads
         self.ops = frozenset(overloads)
+        # attention ops that draw only with dropout_p > 0 (_not_kept_why)
+        self.dropout_index = {
+            op: i
+            for op in overloads
+            if torch.Tag.nondeterministic_seeded in op.tags and (
+                i := _dropout_index(op)) is not None
+        }
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in self.ops:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        if op not in self.ops:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        i = self.dropout_index.get(op)
+        if i is not None:
+            p = kwargs['dropout_p'] if 'dropout_p' in kwargs else (
+                args[i] if i < len(args) else 0.0)
+            if p != 0:  # it draws: recomputed with the restored RNG state
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
 
 #: canonical policy names -> their _SavePolicy (a plain dict, not an

@@ -1,0 +1,52 @@
+"""Selective checkpointing policies: what a policy may keep, and when."""
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from mmdtr.errors import MmdtrError
+from mmdtr.techniques.selective_policy import normalize_policy, save_policy
+
+
+@pytest.mark.parametrize('ops, why', [
+    (['rrelu_with_noise'], "writes its argument 'noise'"),
+    (['addmm', 'rand'], "'rand' draws random numbers"),
+    (['bernoulli'], 'draws random numbers'),
+    (['native_dropout'], 'draws random numbers'),
+    (['aten.dropout'], 'draws random numbers'),
+    (['add_'], 'writes its input in place'),
+])
+def test_ops_a_recompute_must_run_are_refused(ops, why):
+    # accepted, a kept rrelu_with_noise left the noise its backward reads
+    # uninitialised (gradients off by up to 210), and a kept random op
+    # shifted the RNG stream of the recompute, so a dropout after it drew
+    # another mask (found by an adversarial search)
+    with pytest.raises(MmdtrError, match=why):
+        normalize_policy(ops)
+
+
+def test_batch_norm_writing_running_stats_may_be_kept():
+    names = normalize_policy(['_native_batch_norm_legit', 'native_batch_norm'])
+    assert len(save_policy(names).overloads) == 3
+
+
+@pytest.mark.parametrize(
+    'args, kwargs, decision',
+    [
+        ((0.0, ), {}, CheckpointPolicy.MUST_SAVE),
+        ((), {}, CheckpointPolicy.MUST_SAVE),  # dropout_p's default, 0
+        ((0.1, ), {}, CheckpointPolicy.PREFER_RECOMPUTE),
+        ((), dict(dropout_p=0.1), CheckpointPolicy.PREFER_RECOMPUTE),
+        ((), dict(dropout_p=0.0), CheckpointPolicy.MUST_SAVE),
+    ])
+def test_attention_is_kept_only_without_dropout(args, kwargs, decision):
+    # with dropout it draws (CUDA's flash and efficient kernels): kept, the
+    # recompute would skip its draw and shift the RNG stream after it
+    policy = save_policy(normalize_policy('save_compute_heavy'))
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.zeros(1, 1, 2, 4)
+    before = (q, q, q, None, False)  # query, key, value, bias, log_sumexp
+    assert policy(None, op, *before, *args, **kwargs) is decision
+    mm = torch.ops.aten.mm.default
+    assert policy(None, mm, q, q) is CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops.aten.relu.default,
+                  q) is CheckpointPolicy.PREFER_RECOMPUTE
