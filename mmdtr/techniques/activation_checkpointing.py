@@ -262,6 +262,26 @@ def _inlined_by(model: nn.Module, name: str) -> Optional[str]:
     return None
 
 
+def _refuse_fused_conv(model: nn.Module, name: str) -> None:
+    """Refuse the conv of an mmcv ``ConvModule`` whose own efficient Conv-BN
+    eval is on: its forward sets the conv's ``forward`` to the fused form
+    and then deletes it, which deleted the checkpoint too (found by an
+    adversarial search: checkpointed at the first iteration only)."""
+    path, _, child = name.rpartition('.')
+    if child != 'conv' or getattr(
+            model.get_submodule(path), 'efficient_conv_bn_eval_forward',
+            None) is None:
+        return
+    parent = model.get_submodule(path)
+    raise MmdtrError(
+        f'activation_checkpointing: module {name!r} is the conv of a '
+        f'{type(parent).__name__} whose own efficient Conv-BN eval is on '
+        '(efficient_conv_bn_eval); its forward replaces the conv\'s forward '
+        'by the fused form and then deletes it, which would drop the '
+        'checkpoint after the first call.',
+        hint=f'checkpoint {path!r} (the whole module) instead.')
+
+
 def apply_activation_checkpointing(model: nn.Module,
                                    modules: Union[str, Sequence[str]],
                                    policy: Union[None, str,
@@ -300,6 +320,7 @@ def apply_activation_checkpointing(model: nn.Module,
     found = resolve_modules(model, modules, key='activation_checkpointing')
     names = outermost(list(found))
     for name in names:
+        _refuse_fused_conv(model, name)
         ancestor = _inlined_by(model, name)
         if ancestor is not None:
             where = repr(ancestor) if ancestor else 'the model'

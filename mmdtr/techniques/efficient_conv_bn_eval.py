@@ -45,6 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.utils import parametrize
 
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
@@ -145,10 +146,15 @@ def _runs_as_torch(module: nn.Module) -> bool:
     standardizes its weight) or a hook (old-style ``weight_norm``, a
     feature recorder) would be skipped."""
     forward = type(module).forward
-    return ((forward.__module__.startswith('torch.nn.') or
-             (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
-            and not (module._forward_hooks or module._forward_pre_hooks)
-            and 'forward' not in vars(module))  # checkpointed, or wrapped
+    return (
+        (forward.__module__.startswith('torch.nn.') or
+         (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and 'forward' not in vars(module)  # checkpointed, or wrapped
+        # a parametrization (spectral_norm) runs at each read of the
+        # weight, which the fused form reads twice: two power
+        # iterations per call (found by an adversarial search)
+        and not parametrize.is_parametrized(module))
 
 
 def fusable_conv(module: Optional[nn.Module]) -> bool:
@@ -188,7 +194,8 @@ def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:
     return pairs
 
 
-def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
+def fuse_conv_bn_pairs(gm: fx.GraphModule,
+                       fused: FusedForward) -> List[Tuple[str, str]]:
     """Replace each Conv+BN pair of ``gm`` by ``fused(bn, conv, x)``.
 
     Args:
@@ -196,7 +203,8 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
         fused (FusedForward): The fused computation.
 
     Returns:
-        int: The number of pairs replaced.
+        list[tuple[str, str]]: The names of the Conv and BN of each pair
+        replaced.
     """
     pairs = find_conv_bn_pairs(gm)
     graph = gm.graph
@@ -211,7 +219,22 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule, fused: FusedForward) -> int:
     if pairs:
         graph.lint()
         gm.recompile()
-    return len(pairs)
+    return [(conv.target, bn.target) for conv, bn in pairs]
+
+
+class _StillFusable:
+    """A guard of a fused trace: its Conv and BN are still as
+    :func:`fusable_conv` and :func:`fusable_bn` require. A hook added
+    since (a feature recorder), statistics dropped (``running_var=None``,
+    TENT-style adaptation) or a parametrization would be skipped by, or
+    break, the fused form (found by an adversarial search)."""
+    __slots__ = ('conv', 'bn')
+
+    def __init__(self, conv: nn.Module, bn: nn.Module):
+        self.conv, self.bn = conv, bn
+
+    def holds(self) -> bool:
+        return fusable_conv(self.conv) and fusable_bn(self.bn)
 
 
 def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
@@ -286,9 +309,13 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
              'drop'))
         return
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
-    count = fuse_conv_bn_pairs(gm, fused)
-    if not count:
+    pairs = fuse_conv_bn_pairs(gm, fused)
+    if not pairs:
         return
+    code_guards += [
+        _StillFusable(module.get_submodule(conv), module.get_submodule(bn))
+        for conv, bn in pairs
+    ]
     try:  # the trace runs only while what it read holds (found by an
         # adversarial search: a supernet's choice, identity=None, baked in)
         forward = GuardedForward(module, gm.forward, inner, reads, code_guards)
@@ -296,7 +323,7 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
         result.failures.append((name, str(exc)))
         return
     replace_forward(module, forward)
-    result.fused_pairs += count
+    result.fused_pairs += len(pairs)
     result.traced.append(name)
 
 

@@ -204,6 +204,7 @@ class GuardedForward:
         # the sub-modules the trace calls: one replaced (an activation, a
         # downsample set to None) would not run in the trace (a review)
         self.children = list(module.named_modules())
+        self.tensors = _tensor_attributes(module, self.graph_module)
         params = list(
             inspect.signature(type(module).forward).parameters.values())[1:]
         self.fixed = [
@@ -218,9 +219,40 @@ class GuardedForward:
     def __call__(self, *args, **kwargs):
         if all(g.holds() for g in self.guards) and \
                 _all_passed(self.fixed, args, kwargs) and \
-                _same_modules(self.children, self.module):
+                _same_modules(self.children, self.module) and \
+                _rebind(self.tensors):
             return self.traced(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+
+def _tensor_attributes(module: nn.Module, gm: fx.GraphModule) -> list:
+    """``[owner in module, owner in gm, name]`` of each parameter or buffer
+    the trace reads with ``get_attr``: the trace holds the tensor objects
+    it was made with, which ``load_state_dict(assign=True)``, a buffer
+    assigned anew or a dtype or device move replace on the module (found
+    by an adversarial search: outputs off by up to 10)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != 'get_attr':
+            continue
+        path, _, name = node.target.rpartition('.')
+        owner = module.get_submodule(path)
+        if name in owner._parameters or name in owner._buffers:
+            found.append([owner, gm.get_submodule(path), name])
+    return found
+
+
+def _rebind(tensors: list) -> bool:
+    """Point the trace at the module's parameters and buffers as they are
+    now (a trace reads a tensor's shape and dtype when it runs, so another
+    one fits); ``False`` if one is ``None`` now."""
+    for owner, gm_owner, name in tensors:
+        now = owner._parameters.get(name, owner._buffers.get(name))
+        if now is None:
+            return False
+        if getattr(gm_owner, name) is not now:
+            setattr(gm_owner, name, now)
+    return True
 
 
 def _same_modules(children: list, module: nn.Module) -> bool:
