@@ -26,7 +26,7 @@ from typing import Dict, Optional, Union
 from mmengine.config import Config, ConfigDict
 from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
                              is_npu_available)
-from mmengine.dist import is_distributed, master_only
+from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.runner import Runner
@@ -366,7 +366,6 @@ class MMDTRRunner(Runner):
         return cfg
 
 
-@master_only
 def dump_config_as_written(runner: Runner) -> bool:
     """Dump the config as written, with mmdtr's keys, to the work dir.
 
@@ -381,12 +380,14 @@ def dump_config_as_written(runner: Runner) -> bool:
             made.
 
     Returns:
-        bool: Whether there was a config as written to dump (``False`` for
-        a config that was not translated).
+        bool: Whether there was a config as written (``False`` for a
+        config that was not translated); only the main process writes it.
     """
     source = getattr(runner.cfg, SOURCE_ATTR, None)
     if source is None:
         return False
+    if not is_main_process():
+        return True
     filename = osp.basename(source.filename) if source.filename \
         is not None else f'{runner.timestamp}.py'
     source.dump(osp.join(runner.work_dir, filename))

@@ -22,9 +22,10 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
   in place: their recompute would read the updated values;
 - the recompute runs in full (no early stop), so an op that writes a
   tensor after saving it (``rrelu``'s noise) is replayed whole;
-- ``torch.Generator`` s held by the module and its descendants are put back
-  to their states at the forward's start for the recompute, and left
-  where the forward left them (:class:`.GeneratorStates`);
+- ``torch.Generator`` s held by the module and its descendants, or passed
+  to it, are put back to their states at the forward's start for the
+  recompute, and left where the recompute found them
+  (:class:`.GeneratorStates`);
 - it is DDP-safe: non-reentrant checkpointing runs the recompute inside the
   autograd graph of the outer backward, so DDP's gradient hooks fire once
   per parameter as usual.
@@ -126,7 +127,7 @@ def _compiled_checkpoint(run: Callable, policy: Optional[Tuple[str, ...]],
         *inputs,
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                     list(save_policy(policy).overloads)))
+                                     save_policy(policy)))
 
 
 # newer torch takes early_stop per call; older only through the
@@ -156,12 +157,14 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     norms = tracking_norms(self)
     forward_contexts = []
     # tensors inside lists, tuples and dicts too (a neck's feature list)
-    inputs = watch_versions(tree_leaves((args, kwargs)))
+    leaves = tree_leaves((args, kwargs))
+    inputs = watch_versions(leaves)
     # what the recompute reads, as the forward leaves it (filled after it)
     watched_inputs, params, generation = [], parameter_record(self), [0]
     params.note_forward(self)
-    context_fn = functools.partial(_context_fn, norms, GeneratorStates(self),
-                                   policy, forward_contexts,
+    context_fn = functools.partial(_context_fn, norms,
+                                   GeneratorStates(self, leaves), policy,
+                                   forward_contexts,
                                    type(self).__name__, watched_inputs, params,
                                    generation)
     buffers = watch_buffers(self, norms)

@@ -15,6 +15,7 @@ And what the recompute reads must not have changed since the forward: a
 parameter or input written in place in between is refused when backward
 would recompute (:class:`RecomputeContext`).
 """
+import itertools
 import weakref
 from contextlib import ExitStack
 from typing import List, Optional
@@ -87,14 +88,18 @@ class GeneratorStates:
         module (nn.Module): The checkpointed module, at its forward's start:
             the generators held as attributes by it and its descendants
             are read then.
+        arguments (list): The leaves of the call's arguments: generators
+            passed (``block(x, gen=g)``) count too (found by a review).
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, arguments: list):
         generators = {}
-        for m in module.modules():
-            for value in vars(m).values():
-                if isinstance(value, torch.Generator):
-                    generators[id(value)] = value
+        # ``type(v) is``: isinstance goes through torch.Generator's Python
+        # metaclass, 10x the cost on every attribute (found by a review)
+        for value in itertools.chain(
+                arguments, *(vars(m).values() for m in module.modules())):
+            if type(value) is torch.Generator:
+                generators[id(value)] = value
         self.states = [(g, g.get_state()) for g in generators.values()]
         self._stack: List[list] = []
 

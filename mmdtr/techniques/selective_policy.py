@@ -69,10 +69,12 @@ def _canonical_op(name: str, policy) -> str:
         raise _bad_policy(
             policy, f'aten.{parts[0]} has no overload {parts[1]!r} '
             f'(overloads: {packet.overloads()})')
-    ops = [getattr(packet, o) for o in parts[1:] or packet.overloads()]
-    reasons = [_not_kept_why(packet, op) for op in ops]
-    if all(reasons):
-        raise _bad_policy(policy, f'{name!r} {reasons[0]}')
+    ops = _overloads(packet, parts[1:])
+    if all(_not_kept_why(packet, op) for op in ops):
+        # the reason of the overload a call takes (found by a review: an
+        # out= overload listed first gave _fused_dropout's reason as "in
+        # place")
+        raise _bad_policy(policy, f'{name!r} {_not_kept_why(packet, ops[0])}')
     return 'aten.' + '.'.join(parts)
 
 
@@ -116,18 +118,29 @@ def _not_kept_why(packet, op) -> Optional[str]:
 
 
 def _dropout_index(op) -> Optional[int]:
-    """The position of ``op``'s ``dropout_p`` argument, or ``None``."""
+    """The position of the ``dropout_p`` argument of ``op``, an op drawing
+    random numbers only through it (fused attention), or ``None``."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return None
     for i, argument in enumerate(op._schema.arguments):
         if argument.name == 'dropout_p':
             return i
     return None
 
 
+def _overloads(packet, names: Sequence[str]) -> list:
+    """The overloads of ``packet`` named, all if none, ``default`` first."""
+    names = names or sorted(packet.overloads(), key=lambda n: n != 'default')
+    return [getattr(packet, name) for name in names]
+
+
 def _kept_overloads(packet, overloads: Sequence[str]) -> list:
     """The overloads of ``packet`` named (all if none) that a policy may
     keep (:func:`_not_kept_why`)."""
-    ops = [getattr(packet, o) for o in overloads or packet.overloads()]
-    return [op for op in ops if _not_kept_why(packet, op) is None]
+    return [
+        op for op in _overloads(packet, overloads)
+        if _not_kept_why(packet, op) is None
+    ]
 
 
 def normalize_policy(policy: Union[None, str, Sequence[str]]
@@ -146,7 +159,9 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
         ``None`` for plain checkpointing.
 
     Raises:
-        MmdtrError: If the policy or an op name is unknown.
+        MmdtrError: If the policy or an op name is unknown, or if an op
+            named cannot be kept (:func:`_not_kept_why`: in-place and out=
+            ops, ops writing another argument, ops drawing random numbers).
     """
     if policy is None:
         return None
@@ -181,9 +196,7 @@ class _SavePolicy:
         # attention ops that draw only with dropout_p > 0 (_not_kept_why)
         self.dropout_index = {
             op: i
-            for op in overloads
-            if torch.Tag.nondeterministic_seeded in op.tags and (
-                i := _dropout_index(op)) is not None
+            for op in overloads if (i := _dropout_index(op)) is not None
         }
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -9,10 +9,11 @@ The hooks that select modules by name (``activation_checkpointing``,
 import copy
 import types
 
-from mmengine.registry import DefaultScope
+from mmengine.registry import MODELS, DefaultScope
+from torch import nn
 
 from mmdtr.adapters.config_translation import MEMORY_KEY_HOOKS, hook_name
-from mmdtr.registry import HOOKS, MODELS
+from mmdtr.registry import HOOKS
 
 #: the memory keys whose hooks select modules by name
 SELECTING_KEYS = ('activation_checkpointing', 'efficient_conv_bn_eval')
@@ -21,9 +22,10 @@ SELECTING_KEYS = ('activation_checkpointing', 'efficient_conv_bn_eval')
 def check_module_names(cfg) -> None:
     """Run the module-name checks of the config's selecting hooks.
 
-    Only mmdtr's own hooks are checked (others may be another scope's). A
-    model that cannot be built here (another scope's, say) is left to the
-    runner, which says why when it builds it.
+    Only mmdtr's own hooks are checked (others may be another scope's). The
+    model is built as MMEngine's Runner builds it (its registry, the
+    config's default scope, from a copy of ``cfg.model``); one that cannot
+    be built here is left to the runner, which says why.
 
     Args:
         cfg (Config): A config translated by
@@ -40,10 +42,15 @@ def check_module_names(cfg) -> None:
     ]
     if not selecting:
         return
-    with DefaultScope.overwrite_default_scope(cfg.get('default_scope')):
-        try:
-            model = MODELS.build(cfg.model)
-        except Exception:  # noqa: B902 - the runner will say why
-            return
+    model = cfg.get('model')
+    if not isinstance(model, nn.Module):  # built as the runner builds it,
+        # from a copy (a model's __init__ may pop from its config; found by
+        # a review)
+        scope = cfg.get('default_scope', 'mmengine')
+        with DefaultScope.overwrite_default_scope(scope):
+            try:
+                model = MODELS.build(copy.deepcopy(model))
+            except Exception:  # noqa: B902 - the runner will say why
+                return
     for hook in selecting:
         hook.before_run(types.SimpleNamespace(model=model, cfg=cfg))

@@ -1,0 +1,51 @@
+"""check_module_names: the module names of a config, checked on its model
+before a runner is built."""
+import pytest
+import torch.nn as nn
+from mmengine.config import Config
+from mmengine.registry import MODELS
+
+from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.errors import MmdtrError
+from mmdtr.utils.module_names import check_module_names
+
+
+@MODELS.register_module(force=True)
+class _PopsItsConfig(nn.Module):
+    """Takes what it needs out of its nested config, as some heads do."""
+
+    def __init__(self, head):
+        super().__init__()
+        kind = head.pop('kind')
+        self.backbone = nn.Sequential(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2) if kind == 'linear' else None
+
+
+def _config(model, **keys):
+    return translate_memory_keys(Config(dict(model=model, **keys)))
+
+
+def test_the_model_is_built_from_a_copy():
+    # built from the config itself, the runner then built another model
+    # (head=None; found by a review)
+    model = dict(type='_PopsItsConfig', head=dict(kind='linear'))
+    cfg = _config(model, activation_checkpointing=['backbone'])
+    check_module_names(cfg)
+    assert cfg.model.head == dict(kind='linear')
+    with pytest.raises(MmdtrError, match="no sub-module .*'backbon'"):
+        check_module_names(
+            _config(model, activation_checkpointing=['backbon']))
+
+
+def test_a_model_given_as_a_module_is_checked():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
+    check_module_names(_config(model, activation_checkpointing='0'))
+    with pytest.raises(MmdtrError, match='no sub-module'):
+        check_module_names(_config(model, activation_checkpointing='1'))
+
+
+def test_without_selecting_keys_nothing_is_built():
+    # a model that cannot be built: only a runner would say why
+    check_module_names(_config(dict(type='NoSuchModel')))
+    check_module_names(
+        _config(dict(type='NoSuchModel'), activation_checkpointing='x'))
