@@ -6,12 +6,15 @@
 recorded as a ``[memory]`` event carrying its signed byte delta (``+n`` on
 allocation, ``-n`` on free). Summing the deltas in time order, starting from
 0 when the call starts, gives the live bytes the call added at every moment;
-the peak is the maximum of that running sum. The profiler cannot size a
-block allocated before it started, so frees of such blocks are not reported
-(PyTorch warns once) and do not lower the count: the peak is that of the
-bytes allocated during the call and still live. The result is exact in
-bytes for the CPU allocator (which reports requested sizes) and independent
-of any meter under test.
+the peak is the maximum of that running sum. Only frees of blocks allocated
+during the call count: the profiler cannot size a block allocated before
+any session started (PyTorch warns once and reports no free), but it does
+report the free of a block an earlier session allocated, which lowered the
+count (a second measurement read a peak of 0; found by an adversarial
+search), so frees are matched to the call's allocations by address. The
+peak is that of the bytes allocated during the call and still live. The
+result is exact in bytes for the CPU allocator (which reports requested
+sizes) and independent of any meter under test.
 
 The profiler cannot be nested: :func:`measure_memory` refuses to run while
 another ``torch.profiler`` session is active on its thread (a nested session
@@ -26,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from mmdtr.errors import MmdtrError
 
-#: Name of the profiler's allocation/free events.
-MEMORY_EVENT_NAME = '[memory]'
+#: The profiler's event type of allocations and frees.
+_ALLOCATION = torch._C._profiler._EventType.Allocation
 
 
 @dataclass
@@ -66,11 +69,6 @@ def _checked_device_type(device_type) -> str:
     return device_type
 
 
-def _device_matches(event, device_type: str) -> bool:
-    kind = str(event.device_type()).rsplit('.', 1)[-1].lower()
-    return kind == device_type
-
-
 def memory_deltas(prof: profile, device_type: str = 'cpu') -> List[int]:
     """Return the signed byte deltas of a finished profile, in time order.
 
@@ -81,17 +79,31 @@ def memory_deltas(prof: profile, device_type: str = 'cpu') -> List[int]:
             events are kept). Defaults to ``'cpu'``.
 
     Returns:
-        list[int]: ``+n`` per allocation of ``n`` bytes, ``-n`` per free,
-        sorted by timestamp (stable, so same-time events keep record order).
+        list[int]: ``+n`` per allocation of ``n`` bytes, ``-n`` per free of
+        a block allocated during the profile, sorted by timestamp (stable,
+        so same-time events keep record order).
     """
     device_type = _checked_device_type(device_type)
-    events = [
-        event for event in prof.profiler.kineto_results.events()
-        if event.name() == MEMORY_EVENT_NAME
-        and _device_matches(event, device_type)
-    ]
-    events.sort(key=lambda event: event.start_ns())
-    return [int(event.nbytes()) for event in events]
+    events = []  # (time, size, address) of the allocations and frees
+    stack = list(
+        reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # depth first, in record order
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        kind, fields = node.typed
+        if kind == _ALLOCATION and fields.device.type == device_type:
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+    events.sort(key=lambda event: event[0])  # stable: same-time in order
+    deltas, allocated = [], set()
+    for _, size, address in events:
+        if size >= 0:
+            allocated.add(address)
+        elif address in allocated:
+            allocated.discard(address)
+        else:  # allocated before the call
+            continue
+        deltas.append(int(size))
+    return deltas
 
 
 def measure_memory(fn: Callable,

@@ -133,3 +133,20 @@ def test_bad_device_type_and_nested_profiler_are_refused():
     with profile():
         with pytest.raises(MmdtrError, match='cannot be nested'):
             measure_memory(torch.zeros, (1024, ))
+
+
+def test_frees_of_an_earlier_sessions_blocks_do_not_count():
+    # the profiler reports the free of a block an earlier session
+    # allocated: a second measurement read a peak of 0 and a negative end
+    # (found by an adversarial search)
+    keep = [torch.empty(100_000)]  # 400 kB, allocated before any session
+    measure_memory(lambda: keep.append(torch.empty(100_000)))  # 400 kB more
+
+    def step():
+        keep.clear()  # frees both
+        return torch.empty(50_000).sum()
+
+    m = measure_memory(step)
+    assert m.peak_bytes >= 200_000
+    assert m.end_bytes >= 0
+    assert m.freed_bytes < 400_000
