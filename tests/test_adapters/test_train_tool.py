@@ -357,40 +357,28 @@ def test_dist_train_refuses_gpu_without_one(toy_config, tmp_path):
                            'processes, or cpu.\n')
 
 
-def test_dist_train_checks_the_config_once(toy_config, tmp_path,
-                                           subprocess_env):
-    # each rank refused it, then torchrun ended in its traceback
-    proc = run_dist_train(
-        tmp_path,
-        toy_config,
-        '2',
-        '--cfg-options',
-        'dtr.eviction_threshold=3XB',
-        env=subprocess_env(),
-        timeout=300)
-    assert proc.returncode == 1
-    assert proc.stderr.startswith('MmdtrError: mmdtr: dtr='), proc.stderr
-    assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
-    assert not (tmp_path / 'work_dirs').exists()
-
-
-def test_dist_train_checks_module_names_once(toy_config, tmp_path,
-                                             subprocess_env):
-    # checked in each rank's before_run: the error came once per rank, then
-    # torchrun's traceback, after the work dir was made (found by an
-    # adversarial search)
-    proc = run_dist_train(
-        tmp_path,
-        toy_config,
-        '2',
-        '--cfg-options',
+@pytest.mark.parametrize('options, error', [
+    (['dtr.eviction_threshold=3XB'], 'dtr='),
+    ([
         'custom_imports.imports=[toy_classifier]',
-        'activation_checkpointing=[layer9]',
+        'activation_checkpointing=[layer9]'
+    ], 'activation_checkpointing: no sub-module'),
+])
+def test_dist_train_checks_the_config_once(toy_config, tmp_path,
+                                           subprocess_env, options, error):
+    # each rank refused it, then torchrun ended in its traceback; module
+    # names were checked in each rank's before_run, after the work dir was
+    # made (found by an adversarial search)
+    proc = run_dist_train(
+        tmp_path,
+        toy_config,
+        '2',
+        '--cfg-options',
+        *options,
         env=subprocess_env(),
         timeout=300)
     assert proc.returncode == 1
-    assert proc.stderr.startswith('MmdtrError: mmdtr: activation_'
-                                  'checkpointing: no sub-module'), proc.stderr
+    assert proc.stderr.startswith('MmdtrError: mmdtr: ' + error), proc.stderr
     assert proc.stderr.count('\n') == 1, proc.stderr  # once, no torchrun
     assert not (tmp_path / 'work_dirs').exists()
 
