@@ -271,11 +271,9 @@ def _refuse_fused_conv(model: nn.Module, name: str) -> None:
     and then deletes it, which deleted the checkpoint too (found by an
     adversarial search: checkpointed at the first iteration only)."""
     path, _, child = name.rpartition('.')
-    if child != 'conv' or getattr(
-            model.get_submodule(path), 'efficient_conv_bn_eval_forward',
-            None) is None:
+    parent = model.get_submodule(path) if child == 'conv' else None
+    if getattr(parent, 'efficient_conv_bn_eval_forward', None) is None:
         return
-    parent = model.get_submodule(path)
     raise MmdtrError(
         f'activation_checkpointing: module {name!r} is the conv of a '
         f'{type(parent).__name__} whose own efficient Conv-BN eval is on '

@@ -43,9 +43,9 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.modules.module as module_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
-from torch.nn.utils import parametrize
 
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
@@ -138,6 +138,12 @@ SAME_AS_TORCH = frozenset({
     ('mmcv.cnn.bricks.wrappers', 'Conv3d.forward'),
 })
 
+#: torch's hooks on every module (``register_module_forward_hook``...)
+_GLOBAL_HOOKS = (module_hooks._global_forward_hooks,
+                 module_hooks._global_forward_pre_hooks,
+                 module_hooks._global_backward_hooks,
+                 module_hooks._global_backward_pre_hooks)
+
 
 def _runs_as_torch(module: nn.Module) -> bool:
     """Whether calling ``module`` does only what its ``torch.nn`` class
@@ -149,12 +155,16 @@ def _runs_as_torch(module: nn.Module) -> bool:
     return (
         (forward.__module__.startswith('torch.nn.') or
          (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
-        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._forward_hooks or module._forward_pre_hooks
+                 # a Grad-CAM hook; hooks on every module (found by a
+                 # review)
+                 or module._backward_hooks or
+                 module._backward_pre_hooks or any(_GLOBAL_HOOKS))
         and 'forward' not in vars(module)  # checkpointed, or wrapped
         # a parametrization (spectral_norm) runs at each read of the
         # weight, which the fused form reads twice: two power
         # iterations per call (found by an adversarial search)
-        and not parametrize.is_parametrized(module))
+        and 'parametrizations' not in module._modules)
 
 
 def fusable_conv(module: Optional[nn.Module]) -> bool:
@@ -167,7 +177,8 @@ def fusable_bn(module: Optional[nn.Module]) -> bool:
     """A BatchNorm the fused form can fold (running statistics, torch's
     own forward)."""
     return (isinstance(module, _BatchNorm) and module.track_running_stats
-            and module.running_var is not None and _runs_as_torch(module))
+            and module._buffers.get('running_var') is not None
+            and _runs_as_torch(module))
 
 
 def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:

@@ -245,13 +245,22 @@ def _tensor_attributes(module: nn.Module, gm: fx.GraphModule) -> list:
 def _rebind(tensors: list) -> bool:
     """Point the trace at the module's parameters and buffers as they are
     now (a trace reads a tensor's shape and dtype when it runs, so another
-    one fits); ``False`` if one is ``None`` now."""
+    one fits), as parameters or buffers as they now are, by their tables
+    (``torch.func.functional_call`` puts plain tensors in ``_parameters``,
+    which ``setattr`` refuses; found by a review); ``False`` if one is
+    ``None`` now."""
     for owner, gm_owner, name in tensors:
-        now = owner._parameters.get(name, owner._buffers.get(name))
+        if name in owner._parameters:
+            now, table = owner._parameters[name], gm_owner._parameters
+            other = gm_owner._buffers
+        else:
+            now, table = owner._buffers.get(name), gm_owner._buffers
+            other = gm_owner._parameters
         if now is None:
             return False
-        if getattr(gm_owner, name) is not now:
-            setattr(gm_owner, name, now)
+        if table.get(name) is not now:
+            other.pop(name, None)
+            table[name] = now
     return True
 
 

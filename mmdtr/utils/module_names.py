@@ -24,8 +24,9 @@ def check_module_names(cfg) -> None:
 
     Only mmdtr's own hooks are checked (others may be another scope's). The
     model is built as MMEngine's Runner builds it (its registry, the
-    config's default scope, from a copy of ``cfg.model``); one that cannot
-    be built here is left to the runner, which says why.
+    config's default scope, from a copy of ``cfg.model`` given the config's
+    ``data_preprocessor``); one that cannot be built here is left to the
+    runner, which says why.
 
     Args:
         cfg (Config): A config translated by
@@ -46,10 +47,13 @@ def check_module_names(cfg) -> None:
     if not isinstance(model, nn.Module):  # built as the runner builds it,
         # from a copy (a model's __init__ may pop from its config; found by
         # a review)
+        model = copy.deepcopy(model)
+        if isinstance(model, dict) and cfg.get('data_preprocessor'):
+            model.setdefault('data_preprocessor', cfg.data_preprocessor)
         scope = cfg.get('default_scope', 'mmengine')
         with DefaultScope.overwrite_default_scope(scope):
             try:
-                model = MODELS.build(copy.deepcopy(model))
+                model = MODELS.build(model)
             except Exception:  # noqa: B902 - the runner will say why
                 return
     for hook in selecting:

@@ -3,8 +3,9 @@
 :func:`measure_peak_memory` runs a callable under
 ``torch.profiler.profile(activities=[CPU], profile_memory=True)``. With
 ``profile_memory`` on, every allocation and free of the device allocators is
-recorded as a ``[memory]`` event carrying its signed byte delta (``+n`` on
-allocation, ``-n`` on free). Summing the deltas in time order, starting from
+recorded as an allocation event carrying its address and signed byte delta
+(``+n`` on allocation, ``-n`` on free), read from the profiler's event
+tree. Summing the deltas in time order, starting from
 0 when the call starts, gives the live bytes the call added at every moment;
 the peak is the maximum of that running sum. Only frees of blocks allocated
 during the call count: the profiler cannot size a block allocated before
@@ -44,7 +45,8 @@ class MemoryMeasurement:
         end_bytes (int): Bytes allocated during the call still live when it
             returned.
         allocated_bytes (int): Sum of all allocations during the call.
-        freed_bytes (int): Sum of all frees during the call (positive).
+        freed_bytes (int): Sum of the frees during the call of blocks it
+            allocated (positive).
         deltas (list[int]): The signed byte deltas in time order.
     """
 

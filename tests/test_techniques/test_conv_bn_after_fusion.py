@@ -47,7 +47,8 @@ def _close(plain, model, x):
     assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize('change', ['assign', 'buffer', 'bfloat16', 'meta'])
+@pytest.mark.parametrize(
+    'change', ['assign', 'buffer', 'bfloat16', 'meta', 'now a buffer'])
 def test_parameters_and_buffers_replaced_are_read(change):
     # the trace held the tensors it was made with: outputs off by up to 10,
     # gamma got no gradient, or a dtype or device error
@@ -62,6 +63,10 @@ def test_parameters_and_buffers_replaced_are_read(change):
             m[0].shift = torch.full((4, 1, 1), 3.0)
         elif change == 'bfloat16':
             m.bfloat16()
+        elif change == 'now a buffer':  # setattr refused (a review)
+            gamma = m[0].gamma.detach() * 2
+            del m[0].gamma
+            m[0].register_buffer('gamma', gamma)
         else:
             m.to('meta')
     if change == 'bfloat16':
@@ -74,6 +79,42 @@ def test_parameters_and_buffers_replaced_are_read(change):
     if change == 'assign':
         model(x).sum().backward()
         assert model[0].gamma.grad is not None
+
+
+def test_functional_call_reads_the_tensors_given():
+    # torch.func puts plain tensors in _parameters: the rebinding raised
+    # a TypeError (found by a review)
+    plain, model, _ = _pair(ScaledBlock())
+    x = torch.randn(2, 3, 6, 6)
+    given = {k: v.detach() * 2 for k, v in plain.named_parameters()}
+    a = torch.func.functional_call(plain, given, (x, ))
+    b = torch.func.functional_call(model, given, (x, ))
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    _close(plain, model, x)  # its own parameters again
+
+
+@pytest.mark.parametrize('hook', ['backward', 'global forward'])
+def test_backward_and_global_hooks_run(hook):
+    # only forward hooks of the pair's own modules were seen: a Grad-CAM
+    # backward hook and a hook on every module were skipped (a review)
+    plain, model, _ = _pair(ScaledBlock())
+    calls = []
+    x = torch.randn(2, 3, 6, 6)
+    if hook == 'backward':
+        for m in (plain, model):
+            m[0].bn.register_full_backward_hook(
+                lambda mod, grad_in, grad_out: calls.append(mod))
+            m(x).sum().backward()
+        assert len(calls) == 2
+        return
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: calls.append(type(mod).__name__))
+    try:
+        plain(x), model(x)
+    finally:
+        handle.remove()
+    half = len(calls) // 2
+    assert calls[:half] == calls[half:] and 'Conv2d' in calls[half:]
 
 
 def test_statistics_dropped_after_fusion_run_as_the_module():

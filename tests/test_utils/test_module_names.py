@@ -44,8 +44,32 @@ def test_a_model_given_as_a_module_is_checked():
         check_module_names(_config(model, activation_checkpointing='1'))
 
 
-def test_without_selecting_keys_nothing_is_built():
-    # a model that cannot be built: only a runner would say why
-    check_module_names(_config(dict(type='NoSuchModel')))
+@MODELS.register_module(force=True)
+class _CountsBuilds(nn.Module):
+    builds = 0
+
+    def __init__(self, data_preprocessor):  # given by the config, as the
+        # runner gives it
+        super().__init__()
+        type(self).builds += 1
+        self.preprocessor = data_preprocessor
+        self.backbone = nn.Linear(4, 4)
+
+
+def test_the_model_is_built_only_for_selecting_keys():
+    before = _CountsBuilds.builds
+    check_module_names(
+        _config(
+            dict(type='_CountsBuilds'), dtr=dict(eviction_threshold='1GB')))
+    assert _CountsBuilds.builds == before
+    check_module_names(
+        _config(
+            dict(type='_CountsBuilds'),
+            activation_checkpointing='backbone',
+            data_preprocessor=dict(type='BaseDataPreprocessor')))
+    assert _CountsBuilds.builds == before + 1
+
+
+def test_a_model_that_cannot_be_built_is_left_to_the_runner():
     check_module_names(
         _config(dict(type='NoSuchModel'), activation_checkpointing='x'))
