@@ -32,7 +32,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 """
 import functools
 import inspect
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (checkpoint,
 
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
+from .recompute_decisions import DecisionLog
 from .recompute_guards import (GeneratorStates, RecomputeContext,
                                RunningStatsGuard, parameter_record,
                                tracking_norms, watch_buffers, watch_versions,
@@ -86,6 +87,24 @@ class _CheckedRecompute:
         return self.recompute_context.__exit__(*exc_info)
 
 
+class _RecordedForward:
+    """The forward's context: SAC's (or none), recording the choices made
+    inside (:mod:`.recompute_decisions`)."""
+
+    def __init__(self, sac_context, decisions: DecisionLog):
+        self.sac_context, self.decisions = sac_context, decisions
+        self._stack = ExitStack()
+
+    def __enter__(self):
+        with ExitStack() as stack:
+            stack.enter_context(self.decisions.recording())
+            stack.enter_context(self.sac_context)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc_info):
+        return self._stack.__exit__(*exc_info)
+
+
 def _context_fn(norms: list, generators: GeneratorStates,
                 policy: Optional[Tuple[str, ...]], forward_contexts: list,
                 owner: str, inputs: list, params,
@@ -97,9 +116,10 @@ def _context_fn(norms: list, generators: GeneratorStates,
         recompute = _CheckedRecompute(fwd, recompute, owner)
     else:
         fwd, recompute = nullcontext(), nullcontext()
-    return fwd, RecomputeContext(
-        RunningStatsGuard(norms), generators, recompute, inputs, params,
-        generation, owner)
+    decisions = DecisionLog()
+    return _RecordedForward(fwd, decisions), RecomputeContext(
+        RunningStatsGuard(norms), generators, decisions, recompute, inputs,
+        params, generation, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],

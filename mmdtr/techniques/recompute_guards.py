@@ -141,6 +141,8 @@ class RecomputeContext:
     Args:
         guard (RunningStatsGuard): The guard of the module's norm layers.
         generators (GeneratorStates): The module's own generators.
+        decisions (DecisionLog): The choices its forward made
+            (:mod:`.recompute_decisions`), made again.
         sac_context: The recompute context of a selective policy, or a
             null context.
         inputs (list): ``(tensor, version)`` of the call's tensor inputs
@@ -153,9 +155,10 @@ class RecomputeContext:
     """
 
     def __init__(self, guard: RunningStatsGuard, generators: GeneratorStates,
-                 sac_context, inputs: list, params: 'ParameterRecord',
-                 generation: list, owner: str):
+                 decisions, sac_context, inputs: list,
+                 params: 'ParameterRecord', generation: list, owner: str):
         self.guard, self.generators = guard, generators
+        self.decisions = decisions
         self.sac_context = sac_context
         self.inputs, self.params = inputs, params
         self.generation, self.owner = generation, owner
@@ -181,6 +184,7 @@ class RecomputeContext:
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
             stack.enter_context(self.generators)
+            stack.enter_context(self.decisions.replaying())
             stack.enter_context(self.sac_context)
             self._stacks.append(stack.pop_all())
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from .code_guards import CodeGuard, TypeWatchingTracer, is_library_class
 from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
+from .recompute_decisions import decide
 
 #: Attributes every module has: its parameters, buffers, children and
 #: hooks live in them, and ``training`` is traced in both modes instead.
@@ -217,12 +218,18 @@ class GuardedForward:
         return self.traced.__self__
 
     def __call__(self, *args, **kwargs):
-        if all(g.holds() for g in self.guards) and \
-                _all_passed(self.fixed, args, kwargs) and \
-                _same_modules(self.children, self.module) and \
-                _rebind(self.tensors):
+        # in a checkpoint's recompute: the path its forward took
+        # (:mod:`.recompute_decisions`)
+        if decide(lambda: self._holds(args, kwargs)):
             return self.traced(*args, **kwargs)
         return self.fallback(*args, **kwargs)
+
+    def _holds(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the trace may run for this call."""
+        return all(g.holds() for g in self.guards) and \
+            _all_passed(self.fixed, args, kwargs) and \
+            _same_modules(self.children, self.module) and \
+            _rebind(self.tensors)
 
 
 def _tensor_attributes(module: nn.Module, gm: fx.GraphModule) -> list:

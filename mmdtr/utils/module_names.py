@@ -48,7 +48,8 @@ def check_module_names(cfg) -> None:
         # from a copy (a model's __init__ may pop from its config; found by
         # a review)
         model = copy.deepcopy(model)
-        if isinstance(model, dict) and cfg.get('data_preprocessor'):
+        if isinstance(model, dict) and \
+                cfg.get('data_preprocessor') is not None:
             model.setdefault('data_preprocessor', cfg.data_preprocessor)
         scope = cfg.get('default_scope', 'mmengine')
         with DefaultScope.overwrite_default_scope(scope):

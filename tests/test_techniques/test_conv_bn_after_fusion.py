@@ -173,3 +173,37 @@ def test_checkpointing_the_conv_of_a_fused_conv_module_is_refused():
         apply_activation_checkpointing(model, ['1', '0.conv'])
     assert not any(map(is_checkpointed, model.modules()))  # nothing applied
     assert apply_activation_checkpointing(model, '0') == ['0']
+
+
+@pytest.mark.parametrize('order', ['fuse first', 'checkpoint first'])
+@pytest.mark.parametrize('change', ['hook added', 'hook removed'])
+def test_recompute_takes_the_path_its_forward_took(order, change):
+    # the guards are read at each call, and a recompute is a call: a hook
+    # added or removed between forward and backward made it take the other
+    # path, save another number of tensors, and torch's checkpoint raised
+    # (found by a review)
+    torch.manual_seed(0)
+    plain = nn.Sequential(ScaledBlock(), nn.Conv2d(4, 2, 1)).eval()
+    model = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        if order == 'fuse first':
+            apply_efficient_conv_bn_eval(model, '0', fused)
+            apply_activation_checkpointing(model, '0')
+        else:
+            apply_activation_checkpointing(model, '0')
+            apply_efficient_conv_bn_eval(model, '0', fused)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    handles = []
+    for m in (plain, model):
+        if change == 'hook removed':
+            handles.append(m[0].bn.register_forward_hook(lambda *a: None))
+        loss = m(x).square().sum()
+        if change == 'hook added':
+            handles.append(m[0].bn.register_forward_hook(lambda *a: None))
+        else:
+            handles.pop().remove()
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second recompute takes it again
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5)
