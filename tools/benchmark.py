@@ -51,9 +51,17 @@ QUICK = dict(
     max_batch=4)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one MmdtrError line (usage and exit 2 before;
+    found by an audit)."""
+
+    def error(self, message):
+        raise MmdtrError(
+            f'{message}.', hint='see python tools/benchmark.py --help.')
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description='Benchmark DTR against its alternatives')
+    parser = _Parser(description='Benchmark DTR against its alternatives')
     parser.add_argument('config', help='workload config file')
     parser.add_argument('command', choices=COMMANDS)
     parser.add_argument(

@@ -18,7 +18,6 @@ from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 checkpoint_segments, largest_fitting,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.launch import default_launcher
-from mmdtr.benchmarking.report import markdown, per_op_line
 from mmdtr.benchmarking.worker import RESULT_PREFIX
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -276,80 +275,6 @@ def test_cuda_runs_get_a_fresh_interpreter_each():
     assert default_launcher('cuda') == default_launcher('cuda:1') == \
         'subprocess'
     assert default_launcher('cpu') in ('forkserver', 'subprocess')
-
-
-def _record(name, technique, step, threshold=None, fraction=None):
-    return dict(
-        name=name,
-        technique=technique,
-        policy=None,
-        threshold=threshold,
-        fraction=fraction,
-        batch_size=8,
-        status='ok',
-        error=None,
-        median_step_s=step,
-        step_times_s=[step, step * 0.5 + (technique == 'dtr') * 0.1],
-        peak_engine=100 * 2**20,
-        peak_independent=101 * 2**20,
-        evictions=1.0,
-        recomputations=2.0,
-        eviction_failures=0.0)
-
-
-def test_markdown_marks_targets_from_the_slowdown():
-    runs = [
-        _record('baseline', 'baseline', 1.0),
-        _record('dtr (no eviction)', 'dtr', 1.04, threshold=2**62),
-        _record('dtr@0.5', 'dtr', 1.2, threshold=50 * 2**20, fraction=0.5),
-        _record('dtr@0.25', 'dtr', 1.3, threshold=25 * 2**20, fraction=0.25),
-        _record('dtr@0.7', 'dtr', 1.1, threshold=70 * 2**20, fraction=0.7),
-    ]
-    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
-    rows = {
-        line.split('|')[1].strip(): line
-        for line in table.splitlines() if line.startswith('| ')
-    }
-    assert '<= 1.05x: met' in rows['dtr (no eviction)']
-    assert '<= 1.15x: missed' in rows['dtr@0.5']
-    assert '<= 1.35x: met' in rows['dtr@0.25']
-    assert '<=' not in rows['dtr@0.7']
-    assert '| 1.20x |' in rows['dtr@0.5']
-    # fastest step over the baseline's fastest: (0.6 + 0.1) / 0.5
-    assert '| 1.40x |' in rows['dtr@0.5']
-    assert '50.00 MiB (0.5x peak)' in rows['dtr@0.5']
-    # nothing evictable left at times: not judged (a --quick run read
-    # 'met' with 15 failures and the baseline's peak; an adversarial search)
-    runs[3]['eviction_failures'] = 15.0
-    runs[2]['eviction_failures'] = 6.0  # too slow whatever held it
-    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
-    assert '<= 1.35x: - (threshold not held)' in table
-    assert '<= 1.15x: missed' in table
-
-
-def test_per_op_line_splits_the_floor_from_the_engine():
-    runs = [
-        _record('baseline', 'baseline', 1.0),
-        _record('dispatch floor', 'dispatch_floor', 1.1),
-        _record('dtr (no eviction)', 'dtr', 1.5, threshold=2**62),
-        _record('dtr@0.5', 'dtr', 2.0, threshold=50 * 2**20, fraction=0.5),
-    ]
-    for run in runs:
-        run['ops'] = 1000.0
-    line = per_op_line(runs)
-    # medians: (1.1 - 1.0) s and (1.5 - 1.1) s over 1000 ops; fastest
-    # steps: (0.55 - 0.5) s and (0.85 - 0.55) s
-    assert '1000 ops per step' in line
-    assert '100.0 us and 400.0 us (medians)' in line
-    assert '50.0 us and 300.0 us (fastest steps)' in line
-    table = markdown(dict(meta={}, sweep=dict(settings={}, runs=runs)))
-    assert line in table
-    # without the floor's run, or without an op count: no line
-    assert per_op_line([runs[0]] + runs[2:]) is None
-    runs[2]['ops'] = None
-    assert per_op_line(runs) is None
-    assert 'Per op' not in markdown(
-        dict(meta={}, sweep=dict(settings={}, runs=runs)))
 
 
 def test_repeats_run_in_rounds_and_pool_the_steps(canned_launcher):
