@@ -28,9 +28,9 @@ from mmdtr.benchmarking import (ALTERNATIVES, LAUNCHERS, OPTIMIZERS,
 from mmdtr.benchmarking.arguments import (check_device, check_numbers,
                                           check_threshold, parse_match)
 from mmdtr.benchmarking.launch import default_launcher
-from mmdtr.benchmarking.report import (failed_runs, failures_message,
-                                       machine_info, update_results,
-                                       write_report)
+from mmdtr.benchmarking.report import (drop_sections, failed_runs,
+                                       failures_message, machine_info,
+                                       update_results, write_report)
 from mmdtr.benchmarking.results import read_results
 from mmdtr.core.policies import POLICIES
 from mmdtr.core.sizes import format_size, parse_size
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
                 f'no {json_path} to report on.',
                 hint='run a benchmark first, or give its '
                 '--work-dir.')
-        for path in [json_path] + write_report(results, work_dir):
+        for path in write_report(results, work_dir):  # not the JSON
             print(f'wrote {path}')
         return 0
     cfg = load_config(args.config, args.cfg_options, args.image_size,
@@ -369,6 +369,10 @@ def main(argv=None) -> int:
         failures, total = failures + failed, total + runs
         if failed and len(failed) == runs:
             not_run = commands[i + 1:]
+            # an earlier invocation's sections of those would stand under
+            # this one's machine line (found by an audit)
+            results = drop_sections(json_path,
+                                    [c.replace('-', '_') for c in not_run])
             break
     for path in [json_path] + write_report(results, work_dir):
         print(f'wrote {path}')

@@ -67,6 +67,16 @@ def update_results(path: str, meta: dict, section: str, data) -> dict:
     return results
 
 
+def drop_sections(path: str, sections: Sequence[str]) -> dict:
+    """Remove ``sections`` from the JSON at ``path``; return all."""
+    results = read_results(path)
+    for section in sections:
+        results.pop(section, None)
+    with open(path, 'w') as f:
+        json.dump(results, f, indent=2)
+    return results
+
+
 def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
     """The runs of a section that failed, and how many it has.
 

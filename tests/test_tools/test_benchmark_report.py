@@ -183,3 +183,29 @@ def test_argparse_errors_are_one_mmdtr_line(tool, argv, says):
     # usage text and exit 2 before
     with pytest.raises(MmdtrError, match=says):
         tool.parse_args([RESNET] + argv)
+
+
+def test_sections_an_all_did_not_reach_are_dropped(tool, tmp_path,
+                                                   monkeypatch):
+    # every sweep run failed, so compare and largest-batch did not run, and
+    # an earlier invocation's tables of them stood under this one's machine
+    # line (found by an audit)
+    import json
+    work = tmp_path / 'bench'
+    work.mkdir()
+    old = dict(
+        settings=dict(config=RESNET, batch_size=2, match='mmdtr_ac'), runs=[])
+    (work / 'results.json').write_text(json.dumps(dict(meta={}, compare=old)))
+    runs = [dict(_record('baseline', 'baseline', 1.0), status='error')]
+    monkeypatch.setattr(
+        tool, 'run_command', lambda command, *a:
+        ('sweep', dict(settings=dict(TARGETED), runs=copy.deepcopy(runs))))
+    with pytest.raises(MmdtrError, match='did not run'):
+        tool.main([
+            RESNET, 'all', '--work-dir',
+            str(work), '--no-prime', '--capacity', '1GB'
+        ])
+    results = json.loads((work / 'results.json').read_text())
+    assert 'sweep' in results
+    assert 'compare' not in results
+    assert '## Alternatives' not in (work / 'benchmark.md').read_text()
