@@ -7,8 +7,9 @@ between the forward and the backward (a hook added or removed, a global
 module hook of ``FlopCounterMode`` around the forward only): the recompute
 then saves another number of tensors, and ``torch.utils.checkpoint``
 raises (found by a review). So the forward records each choice made inside
-it, in call order, and the recompute takes them again, in order; a choice
-beyond those recorded is made afresh. Per thread: a recompute runs on the
+it, in call order (a nested checkpoint's choices in the enclosing log too),
+and the recompute takes them again, in order; a choice beyond those
+recorded is made afresh. Per thread: a recompute runs on the
 thread of the backward that needs it, choices and all.
 """
 import threading
@@ -62,10 +63,17 @@ def decide(choose: Callable[[], bool]) -> bool:
     stack = getattr(_LOCAL, 'stack', None)
     if not stack:
         return choose()
-    log, replay = stack[-1]
-    if replay is not None:
-        made = next(replay, None)
-        return choose() if made is None else made
-    made = choose()
-    log.decisions.append(made)
+    # the innermost recompute replays; the forwards started inside it (a
+    # checkpoint nested in the recomputed one) and, outside any, every
+    # forward recording, get the choice too: an outer checkpoint's
+    # recompute runs the inner one's forward again, which must choose as
+    # in the outer forward (found by a review)
+    replaying = next(
+        (i for i in range(len(stack) - 1, -1, -1) if stack[i][1] is not None),
+        -1)
+    made = next(stack[replaying][1], None) if replaying >= 0 else None
+    if made is None:
+        made = choose()
+    for log, replay in stack[replaying + 1:]:
+        log.decisions.append(made)
     return made

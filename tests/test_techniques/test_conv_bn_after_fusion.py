@@ -207,3 +207,32 @@ def test_recompute_takes_the_path_its_forward_took(order, change):
         loss.backward()  # a second recompute takes it again
     for p, q in zip(plain.parameters(), model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('change', ['hook added', 'hook removed'])
+def test_nested_checkpoints_take_the_path_their_forward_took(change):
+    # checkpointed twice ('0.0', then '0'): the outer recompute runs the
+    # inner checkpoint's forward again, which chose afresh and, with a
+    # selective policy, met ops its forward had not kept (a review)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Sequential(ScaledBlock()), nn.Conv2d(4, 2,
+                                                                  1)).eval()
+    model = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        apply_efficient_conv_bn_eval(model, '0.0', fused)
+    apply_activation_checkpointing(model, '0.0', 'save_compute_heavy')
+    apply_activation_checkpointing(model, '0', 'save_compute_heavy')
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    for m in (plain, model):
+        bn = m[0][0].bn
+        handle = bn.register_forward_hook(lambda *a: None) \
+            if change == 'hook removed' else None
+        loss = m(x).square().sum()
+        if handle is None:
+            bn.register_forward_hook(lambda *a: None)
+        else:
+            handle.remove()
+        loss.backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5)
