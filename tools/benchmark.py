@@ -314,6 +314,44 @@ def check_args(args) -> None:
         check_threshold(
             parse_size(threshold, '--thresholds'), '--thresholds', threshold,
             args.device)
+    _refuse_unused(args)
+
+
+#: command -> the options given a value that only another command reads
+_ONLY_FOR = (
+    ('sweep', lambda a: [('--fractions', a.fractions is not None),
+                         ('--thresholds', bool(a.thresholds))]),
+    ('compare', lambda a: [('--match', a.match != 'checkpoint_sqrt'),
+                           ('--policies', a.policies != list(POLICIES))]),
+    ('largest-batch', lambda a: [('--capacity', a.capacity is not None),
+                                 ('--max-batch', a.max_batch is not None),
+                                 ('--start-batch', a.start_batch is not None),
+                                 ('--headroom', a.headroom != '0')]),
+)
+
+
+def _refuse_unused(args) -> None:
+    """Refuse an option that the command does not read (``--capacity``
+    under ``sweep``): it was ignored, and the settings did not show it
+    (found by an audit). ``all`` reads them all; ``report`` runs
+    nothing."""
+    if args.command in ('all', 'report'):
+        return
+    unused = [
+        f'{option} (read by {command})' for command, given in _ONLY_FOR
+        if command != args.command for option, is_given in given(args)
+        if is_given
+    ]
+    if args.command == 'compare' and args.policy != 'dtr':
+        # compare reads --policies
+        unused.append('--policy (read by sweep and largest-batch)')
+    if unused:
+        raise MmdtrError(
+            f'{", ".join(unused)} '
+            f'{"do" if len(unused) > 1 else "does"} not apply to '
+            f'{args.command}.',
+            hint=f'drop {unused[0].split()[0]}, or run the command that '
+            'reads it (or all).')
 
 
 def main(argv=None) -> int:

@@ -211,3 +211,27 @@ def test_sections_an_all_did_not_reach_are_dropped(tool, tmp_path,
     assert 'sweep' in results
     assert 'compare' not in results
     assert '## Alternatives' not in (work / 'benchmark.md').read_text()
+
+
+@pytest.mark.parametrize('argv, says', [
+    (['sweep', '--capacity', '1GB'], r'--capacity \(read by largest-batch\)'),
+    (['largest-batch', '--capacity', '1GB', '--fractions', '0.5'
+      ], r'--fractions \(read by sweep\) does not apply to largest-batch'),
+    (['compare', '--policy', 'lru'], '--policy .* does not apply to compare'),
+    (['sweep', '--match', '10MB', '--headroom', '1MB'
+      ], 'do not apply to sweep'),
+])
+def test_an_option_another_command_reads_is_refused(tool, argv, says):
+    # it was ignored, and the settings line did not show it (an audit)
+    args = tool.parse_args([RESNET] + argv)
+    with pytest.raises(MmdtrError, match=says):
+        tool.check_args(args)
+
+
+@pytest.mark.parametrize('argv', [
+    ['all', '--capacity', '1GB', '--fractions', '0.5', '--match', '10MB'],
+    ['sweep', '--fractions', '0.5', '--thresholds', '10MB', '--policy', 'lru'],
+    ['largest-batch', '--capacity', '1GB', '--policy', 'lru'],
+])
+def test_options_the_command_reads_pass(tool, argv):
+    tool.check_args(tool.parse_args([RESNET] + argv))
