@@ -25,7 +25,8 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 - ``torch.Generator`` s held by the module and its descendants, or passed
   to it, are put back to their states at the forward's start for the
   recompute, and left where the recompute found them
-  (:class:`.GeneratorStates`);
+  (:class:`.GeneratorStates`), and so are the modules' ``train()``/``eval()``
+  modes (:class:`.TrainingModes`);
 - it is DDP-safe: non-reentrant checkpointing runs the recompute inside the
   autograd graph of the outer backward, so DDP's gradient hooks fire once
   per parameter as usual.
@@ -46,9 +47,9 @@ from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (GeneratorStates, RecomputeContext,
-                               RunningStatsGuard, parameter_record,
-                               tracking_norms, watch_buffers, watch_versions,
-                               written_buffer, written_since)
+                               RunningStatsGuard, TrainingModes,
+                               parameter_record, tracking_norms, watch_buffers,
+                               watch_versions, written_buffer, written_since)
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 
@@ -105,7 +106,7 @@ class _RecordedForward:
         return self._stack.__exit__(*exc_info)
 
 
-def _context_fn(norms: list, generators: GeneratorStates,
+def _context_fn(norms: list, generators: GeneratorStates, modes: TrainingModes,
                 policy: Optional[Tuple[str, ...]], forward_contexts: list,
                 owner: str, inputs: list, params,
                 generation: list) -> Tuple[object, object]:
@@ -118,8 +119,8 @@ def _context_fn(norms: list, generators: GeneratorStates,
         fwd, recompute = nullcontext(), nullcontext()
     decisions = DecisionLog()
     return _RecordedForward(fwd, decisions), RecomputeContext(
-        RunningStatsGuard(norms), generators, decisions, recompute, inputs,
-        params, generation, owner)
+        RunningStatsGuard(norms), generators, modes, decisions, recompute,
+        inputs, params, generation, owner)
 
 
 def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
@@ -183,7 +184,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     watched_inputs, params, generation = [], parameter_record(self), [0]
     params.note_forward(self)
     context_fn = functools.partial(_context_fn, norms,
-                                   GeneratorStates(self, leaves), policy,
+                                   GeneratorStates(self, leaves),
+                                   TrainingModes(self), policy,
                                    forward_contexts,
                                    type(self).__name__, watched_inputs, params,
                                    generation)

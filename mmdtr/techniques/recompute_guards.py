@@ -73,6 +73,38 @@ class RunningStatsGuard:
             setattr(norm, name, buffer)
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
+class TrainingModes:
+    """During the recompute, put every module's ``training`` flag back as
+    the forward found it, and after it as the recompute found it.
+
+    A module switched between ``train()`` and ``eval()`` between a
+    checkpointed forward and its backward (plain autograd does not mind)
+    recomputed in the other mode: batch norm normalized otherwise and, from
+    eval to train, updated the real running statistics before torch's
+    checkpoint refused the other tensors (found by an adversarial search).
+
+    Args:
+        module (nn.Module): The checkpointed module, at its forward's start.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.modes = [(m, m.training) for m in module.modules()]
+        self._stack: List[list] = []
+
+    def __enter__(self) -> 'TrainingModes':
+        self._stack.append([(m, m.training) for m, _ in self.modes])
+        for m, training in self.modes:
+            m.training = training
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for m, training in self._stack.pop():
+            m.training = training
+
+
 class GeneratorStates:
     """During the recompute, put the module's own ``torch.Generator`` s
     back to their states at the forward's start; after it, where the
@@ -95,10 +127,17 @@ class GeneratorStates:
     def __init__(self, module: nn.Module, arguments: list):
         generators = {}
         # ``type(v) is``: isinstance goes through torch.Generator's Python
-        # metaclass, 10x the cost on every attribute (found by a review)
+        # metaclass, 10x the cost on every attribute (found by a review);
+        # lists, tuples and dicts one level down (``self.gens = [g]``;
+        # found by an adversarial search)
         for value in itertools.chain(
                 arguments, *(vars(m).values() for m in module.modules())):
-            if type(value) is torch.Generator:
+            if type(value) in _CONTAINERS:
+                items = value.values() if type(value) is dict else value
+                for item in items:
+                    if type(item) is torch.Generator:
+                        generators[id(item)] = item
+            elif type(value) is torch.Generator:
                 generators[id(value)] = value
         self.states = [(g, g.get_state()) for g in generators.values()]
         self._stack: List[list] = []
@@ -141,6 +180,7 @@ class RecomputeContext:
     Args:
         guard (RunningStatsGuard): The guard of the module's norm layers.
         generators (GeneratorStates): The module's own generators.
+        modes (TrainingModes): Its modules' ``training`` flags.
         decisions (DecisionLog): The choices its forward made
             (:mod:`.recompute_decisions`), made again.
         sac_context: The recompute context of a selective policy, or a
@@ -155,9 +195,9 @@ class RecomputeContext:
     """
 
     def __init__(self, guard: RunningStatsGuard, generators: GeneratorStates,
-                 decisions, sac_context, inputs: list,
+                 modes: TrainingModes, decisions, sac_context, inputs: list,
                  params: 'ParameterRecord', generation: list, owner: str):
-        self.guard, self.generators = guard, generators
+        self.guard, self.generators, self.modes = guard, generators, modes
         self.decisions = decisions
         self.sac_context = sac_context
         self.inputs, self.params = inputs, params
@@ -183,6 +223,7 @@ class RecomputeContext:
                 'step_in_backward=False, or write out of place.')
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
+            stack.enter_context(self.modes)
             stack.enter_context(self.generators)
             stack.enter_context(self.decisions.replaying())
             stack.enter_context(self.sac_context)
