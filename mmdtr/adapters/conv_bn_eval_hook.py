@@ -15,8 +15,9 @@ from mmengine.model.efficient_conv_bn_eval import \
     efficient_conv_bn_eval_control
 
 from mmdtr.registry import HOOKS
-from mmdtr.techniques.efficient_conv_bn_eval import (
-    apply_efficient_conv_bn_eval, fusable_bn, fusable_conv)
+from mmdtr.techniques.conv_bn_fusability import fusable_bn, fusable_conv
+from mmdtr.techniques.efficient_conv_bn_eval import \
+    apply_efficient_conv_bn_eval
 from mmdtr.techniques.module_selection import as_name_list, resolve_modules
 from .config_translation import memory_key, refuse_runner_key
 
@@ -37,7 +38,7 @@ def mmcv_conv_module_support(module: nn.Module) -> bool:
     Returns:
         bool: True if ``module`` is a ``ConvModule`` whose conv is directly
         followed by a BatchNorm with running stats, both as
-        :func:`~mmdtr.techniques.efficient_conv_bn_eval.fusable_conv` and
+        :func:`~mmdtr.techniques.conv_bn_fusability.fusable_conv` and
         ``fusable_bn`` require, now using the fused form in eval mode.
     """
     if ConvModule is None or not isinstance(module, ConvModule):

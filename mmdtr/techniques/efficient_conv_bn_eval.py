@@ -43,13 +43,13 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.modules.module as module_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from .activation_checkpointing import (inner_forward, is_checkpointed,
                                        replace_forward)
 from .code_guards import TypeWatchingTracer, guard_code
+from .conv_bn_fusability import StillFusable, fusable_bn, fusable_conv
 from .guard_values import TraceRefused
 from .module_selection import outermost, resolve_modules
 from .traced_forward import GuardedForward, watched_trace
@@ -130,57 +130,6 @@ def _own_layers(module: nn.Module):
             yield from _own_layers(child)
 
 
-#: Forwards of subclasses that compute what torch's own do: mmcv's
-#: ``Conv2d`` and ``Conv3d`` wrappers (registered as ``'Conv'`` and
-#: ``'Conv3d'``) only add a path for empty inputs on torch < 1.4.
-SAME_AS_TORCH = frozenset({
-    ('mmcv.cnn.bricks.wrappers', 'Conv2d.forward'),
-    ('mmcv.cnn.bricks.wrappers', 'Conv3d.forward'),
-})
-
-#: torch's hooks on every module (``register_module_forward_hook``...)
-_GLOBAL_HOOKS = (module_hooks._global_forward_hooks,
-                 module_hooks._global_forward_pre_hooks,
-                 module_hooks._global_backward_hooks,
-                 module_hooks._global_backward_pre_hooks)
-
-
-def _runs_as_torch(module: nn.Module) -> bool:
-    """Whether calling ``module`` does only what its ``torch.nn`` class
-    does. The fused form calls ``conv._conv_forward`` and reads the BN's
-    statistics itself, so a subclass's own forward (mmcv's ``ConvWS2d``
-    standardizes its weight) or a hook (old-style ``weight_norm``, a
-    feature recorder) would be skipped."""
-    forward = type(module).forward
-    return (
-        (forward.__module__.startswith('torch.nn.') or
-         (forward.__module__, forward.__qualname__) in SAME_AS_TORCH)
-        and not (module._forward_hooks or module._forward_pre_hooks
-                 # a Grad-CAM hook; hooks on every module (found by a
-                 # review)
-                 or module._backward_hooks or
-                 module._backward_pre_hooks or any(_GLOBAL_HOOKS))
-        and 'forward' not in vars(module)  # checkpointed, or wrapped
-        # a parametrization (spectral_norm) runs at each read of the
-        # weight, which the fused form reads twice: two power
-        # iterations per call (found by an adversarial search)
-        and 'parametrizations' not in module._modules)
-
-
-def fusable_conv(module: Optional[nn.Module]) -> bool:
-    """A Conv the fused form computes exactly as the module would."""
-    return (isinstance(module, _ConvNd) and not module.transposed
-            and _runs_as_torch(module))
-
-
-def fusable_bn(module: Optional[nn.Module]) -> bool:
-    """A BatchNorm the fused form can fold (running statistics, torch's
-    own forward)."""
-    return (isinstance(module, _BatchNorm) and module.track_running_stats
-            and module._buffers.get('running_var') is not None
-            and _runs_as_torch(module))
-
-
 def find_conv_bn_pairs(gm: fx.GraphModule) -> List[Tuple[fx.Node, fx.Node]]:
     """Find ``bn(conv(x))`` call pairs whose conv output has no other user.
 
@@ -231,21 +180,6 @@ def fuse_conv_bn_pairs(gm: fx.GraphModule,
         graph.lint()
         gm.recompile()
     return [(conv.target, bn.target) for conv, bn in pairs]
-
-
-class _StillFusable:
-    """A guard of a fused trace: its Conv and BN are still as
-    :func:`fusable_conv` and :func:`fusable_bn` require. A hook added
-    since (a feature recorder), statistics dropped (``running_var=None``,
-    TENT-style adaptation) or a parametrization would be skipped by, or
-    break, the fused form (found by an adversarial search)."""
-    __slots__ = ('conv', 'bn')
-
-    def __init__(self, conv: nn.Module, bn: nn.Module):
-        self.conv, self.bn = conv, bn
-
-    def holds(self) -> bool:
-        return fusable_conv(self.conv) and fusable_bn(self.bn)
 
 
 def _trace_in_both_modes(module: nn.Module) -> Tuple[fx.Graph, bool, bool]:
@@ -324,7 +258,7 @@ def _trace_and_fuse(module: nn.Module, name: str, fused: FusedForward,
     if not pairs:
         return
     code_guards += [
-        _StillFusable(module.get_submodule(conv), module.get_submodule(bn))
+        StillFusable(module.get_submodule(conv), module.get_submodule(bn))
         for conv, bn in pairs
     ]
     try:  # the trace runs only while what it read holds (found by an
