@@ -153,7 +153,15 @@ def parse_args(argv=None):
         action='store_true',
         help='skip the throwaway run before the measured ones '
         '(always skipped with --quick)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # what "given" means for the options another command reads: not the
+    # parser's default (_refuse_unused)
+    args.defaults = {
+        dest: parser.get_default(dest)
+        for dests in _ONLY_FOR.values()
+        for dest in dests
+    }
+    return args
 
 
 def _default(value, quick_key, args, normal):
@@ -317,17 +325,14 @@ def check_args(args) -> None:
     _refuse_unused(args)
 
 
-#: command -> the options given a value that only another command reads
-_ONLY_FOR = (
-    ('sweep', lambda a: [('--fractions', a.fractions is not None),
-                         ('--thresholds', bool(a.thresholds))]),
-    ('compare', lambda a: [('--match', a.match != 'checkpoint_sqrt'),
-                           ('--policies', a.policies != list(POLICIES))]),
-    ('largest-batch', lambda a: [('--capacity', a.capacity is not None),
-                                 ('--max-batch', a.max_batch is not None),
-                                 ('--start-batch', a.start_batch is not None),
-                                 ('--headroom', a.headroom != '0')]),
-)
+#: command -> the options (dests) only it reads, of those ``all`` runs;
+#: ``--policy`` is read by sweep and largest-batch, not compare
+_ONLY_FOR = {
+    'sweep': ('fractions', 'thresholds'),
+    'compare': ('match', 'policies'),
+    'largest-batch': ('capacity', 'max_batch', 'start_batch', 'headroom'),
+    'sweep and largest-batch': ('policy', ),
+}
 
 
 def _refuse_unused(args) -> None:
@@ -338,13 +343,11 @@ def _refuse_unused(args) -> None:
     if args.command in ('all', 'report'):
         return
     unused = [
-        f'{option} (read by {command})' for command, given in _ONLY_FOR
-        if command != args.command for option, is_given in given(args)
-        if is_given
+        f"--{dest.replace('_', '-')} (read by {readers})"
+        for readers, dests in _ONLY_FOR.items()
+        if args.command not in readers.split(' and ') for dest in dests
+        if getattr(args, dest) != args.defaults[dest]
     ]
-    if args.command == 'compare' and args.policy != 'dtr':
-        # compare reads --policies
-        unused.append('--policy (read by sweep and largest-batch)')
     if unused:
         raise MmdtrError(
             f'{", ".join(unused)} '

@@ -61,10 +61,7 @@ def update_results(path: str, meta: dict, section: str, data) -> dict:
     results = read_results(path)
     results['meta'] = meta
     results[section] = data
-    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
-    with open(path, 'w') as f:
-        json.dump(results, f, indent=2)
-    return results
+    return _write_results(path, results)
 
 
 def drop_sections(path: str, sections: Sequence[str]) -> dict:
@@ -72,6 +69,11 @@ def drop_sections(path: str, sections: Sequence[str]) -> dict:
     results = read_results(path)
     for section in sections:
         results.pop(section, None)
+    return _write_results(path, results)
+
+
+def _write_results(path: str, results: dict) -> dict:
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(path, 'w') as f:
         json.dump(results, f, indent=2)
     return results

@@ -33,7 +33,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 """
 import functools
 import inspect
-from contextlib import ExitStack, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -88,22 +88,12 @@ class _CheckedRecompute:
         return self.recompute_context.__exit__(*exc_info)
 
 
-class _RecordedForward:
+@contextmanager
+def _recorded_forward(sac_context, decisions: DecisionLog):
     """The forward's context: SAC's (or none), recording the choices made
-    inside (:mod:`.recompute_decisions`)."""
-
-    def __init__(self, sac_context, decisions: DecisionLog):
-        self.sac_context, self.decisions = sac_context, decisions
-        self._stack = ExitStack()
-
-    def __enter__(self):
-        with ExitStack() as stack:
-            stack.enter_context(self.decisions.recording())
-            stack.enter_context(self.sac_context)
-            self._stack = stack.pop_all()
-
-    def __exit__(self, *exc_info):
-        return self._stack.__exit__(*exc_info)
+    inside (:mod:`.recompute_decisions`); entered once, by checkpoint."""
+    with decisions.recording(), sac_context:
+        yield
 
 
 def _context_fn(norms: list, generators: GeneratorStates, modes: TrainingModes,
@@ -118,7 +108,7 @@ def _context_fn(norms: list, generators: GeneratorStates, modes: TrainingModes,
     else:
         fwd, recompute = nullcontext(), nullcontext()
     decisions = DecisionLog()
-    return _RecordedForward(fwd, decisions), RecomputeContext(
+    return _recorded_forward(fwd, decisions), RecomputeContext(
         RunningStatsGuard(norms), generators, modes, decisions, recompute,
         inputs, params, generation, owner)
 

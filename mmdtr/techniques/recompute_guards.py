@@ -76,7 +76,27 @@ class RunningStatsGuard:
 _CONTAINERS = (list, tuple, dict)
 
 
-class TrainingModes:
+class _PutBack:
+    """Re-entrant: for the recompute, put each object's value back as the
+    forward found it (``recorded``), and after it as the recompute found it.
+    Subclasses say how a value is read and written."""
+
+    def __init__(self, recorded: list):
+        self.recorded = recorded  # [(object, value at the forward)]
+        self._stack: List[list] = []
+
+    def __enter__(self):
+        self._stack.append([(o, self.read(o)) for o, _ in self.recorded])
+        for o, value in self.recorded:
+            self.write(o, value)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for o, value in self._stack.pop():
+            self.write(o, value)
+
+
+class TrainingModes(_PutBack):
     """During the recompute, put every module's ``training`` flag back as
     the forward found it, and after it as the recompute found it.
 
@@ -91,21 +111,18 @@ class TrainingModes:
     """
 
     def __init__(self, module: nn.Module):
-        self.modes = [(m, m.training) for m in module.modules()]
-        self._stack: List[list] = []
+        super().__init__([(m, m.training) for m in module.modules()])
 
-    def __enter__(self) -> 'TrainingModes':
-        self._stack.append([(m, m.training) for m, _ in self.modes])
-        for m, training in self.modes:
-            m.training = training
-        return self
+    @staticmethod
+    def read(module: nn.Module) -> bool:
+        return module.training
 
-    def __exit__(self, *exc_info) -> None:
-        for m, training in self._stack.pop():
-            m.training = training
+    @staticmethod
+    def write(module: nn.Module, training: bool) -> None:
+        module.training = training
 
 
-class GeneratorStates:
+class GeneratorStates(_PutBack):
     """During the recompute, put the module's own ``torch.Generator`` s
     back to their states at the forward's start; after it, where the
     recompute found them.
@@ -139,18 +156,15 @@ class GeneratorStates:
                         generators[id(item)] = item
             elif type(value) is torch.Generator:
                 generators[id(value)] = value
-        self.states = [(g, g.get_state()) for g in generators.values()]
-        self._stack: List[list] = []
+        super().__init__([(g, g.get_state()) for g in generators.values()])
 
-    def __enter__(self) -> 'GeneratorStates':
-        self._stack.append([(g, g.get_state()) for g, _ in self.states])
-        for g, state in self.states:
-            g.set_state(state)
-        return self
+    @staticmethod
+    def read(generator: torch.Generator) -> torch.Tensor:
+        return generator.get_state()
 
-    def __exit__(self, *exc_info) -> None:
-        for g, state in self._stack.pop():
-            g.set_state(state)
+    @staticmethod
+    def write(generator: torch.Generator, state: torch.Tensor) -> None:
+        generator.set_state(state)
 
 
 def watch_versions(tensors) -> list:

@@ -187,9 +187,11 @@ class GuardedForward:
         traced (Callable): The trace's forward (a ``GraphModule``'s).
         fallback (Callable): The module's own forward.
         reads (dict): The attributes the trace read.
-        code_guards (list): The guards on the globals and cells its code
-            reads, from :func:`.guard_code` (before the trace: it refuses
-            code that writes a global, which the trace would run).
+        code_guards (list): Other guards (objects with ``holds()``): those
+            on the globals and cells its code reads, from
+            :func:`.guard_code` (before the trace: it refuses code that
+            writes a global, which the trace would run), and the caller's
+            (each fused Conv+BN pair's).
 
     Raises:
         TraceRefused: If an attribute read cannot be checked later.
