@@ -24,13 +24,13 @@ import threading
 import types
 
 from mmdtr.errors import MmdtrError
-from .core.dtr_mode import DTR, DTRStats
+from .core.dtr_mode import DTR, DTRStats, engine_active
 from .core.policies import POLICIES, EvictionPolicy
 from .core.sizes import parse_size
 
 __all__ = [
     'DTR', 'DTRStats', 'EvictionPolicy', 'POLICIES', 'enable', 'disable',
-    'is_enabled', 'current_engine', 'eviction_threshold',
+    'is_enabled', 'current_engine', 'engine_active', 'eviction_threshold',
     'evictee_minimum_size', 'enable_sqrt_sampling'
 ]
 

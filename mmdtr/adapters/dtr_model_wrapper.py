@@ -25,10 +25,8 @@ import torch
 from mmengine.logging import MessageHub
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from mmdtr.core.dtr_mode import _DTRDispatchMode
-from mmdtr.dtr import DTR, DTRStats
+from mmdtr.dtr import DTR, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
 from .distributed import MMDTRDistributedDataParallel
@@ -109,13 +107,6 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
     return settings
 
 
-def dtr_mode_active() -> bool:
-    """Whether a DTR engine's dispatch mode is on this thread's stack."""
-    return any(
-        isinstance(mode, _DTRDispatchMode)
-        for mode in _get_current_dispatch_mode_stack())
-
-
 def model_device(model: nn.Module) -> Optional[torch.device]:
     """The device of the first parameter of ``model``, or None."""
     for param in model.parameters():
@@ -170,7 +161,7 @@ class DTRTrainStep:
                 hint='OptimWrapper and its subclasses (AmpOptimWrapper, '
                 'OptimWrapperDict, ...) are supported; other '
                 'BaseOptimWrapper types are not.')
-        if dtr_mode_active():
+        if engine_active():
             raise MmdtrError(
                 'a DTR engine is already active on this thread; DTR runs '
                 'one engine per process (rank), never two nested.',
@@ -320,5 +311,5 @@ class DTRDistributedDataParallel(MMDTRDistributedDataParallel):
 
 __all__ = [
     'DTR_SUB_KEYS', 'SCALARS', 'DTRTrainStep', 'DTRDistributedDataParallel',
-    'dtr_settings', 'dtr_mode_active', 'model_device'
+    'dtr_settings', 'model_device'
 ]

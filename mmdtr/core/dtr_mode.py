@@ -324,12 +324,24 @@ def _refuse_inside_saved_tensor_hooks():
         'handles the tensors saved in its block, DTR the rest).')
 
 
+def engine_active() -> bool:
+    """Whether a DTR engine is active on this thread (R12).
+
+    Either kind counts: ``with DTR(...)`` or ``mmdtr.dtr.enable()``, and so
+    does an engine's dispatch mode still on this thread's mode stack.
+
+    Returns:
+        bool: True if a new engine started here would be refused.
+    """
+    other = getattr(_ACTIVE, 'engine', None)
+    return (other is not None and other.active) or any(
+        isinstance(mode, _DTRDispatchMode)
+        for mode in _get_current_dispatch_mode_stack())
+
+
 def _refuse_nesting():
     """Raise if a DTR engine is already active on this thread (R12)."""
-    other = getattr(_ACTIVE, 'engine', None)
-    if (other is None or not other.active) and not any(
-            isinstance(mode, _DTRDispatchMode)
-            for mode in _get_current_dispatch_mode_stack()):
+    if not engine_active():
         return
     raise MmdtrError(
         'another DTR engine is already active on this thread; engines do '

@@ -11,9 +11,9 @@ from mmengine.registry import METRICS, MODELS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 
 from mmdtr.adapters.dtr_hook import DTRHook
-from mmdtr.adapters.dtr_model_wrapper import dtr_mode_active, model_device
+from mmdtr.adapters.dtr_model_wrapper import model_device
 from mmdtr.adapters.runner import MMDTRRunner
-from mmdtr.dtr import DTR
+from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError
 
 DTR_CFG = dict(eviction_threshold='96KB', evictee_minimum_size='4KB')
@@ -53,7 +53,7 @@ class DTRHookToyNet(BaseModel):
         self.dtr_seen = {'loss': [], 'predict': []}
 
     def forward(self, inputs, labels=None, mode='tensor'):
-        self.dtr_seen.setdefault(mode, []).append(dtr_mode_active())
+        self.dtr_seen.setdefault(mode, []).append(engine_active())
         x = self.body(inputs)
         if mode == 'loss':
             self.calls += 1
@@ -111,7 +111,7 @@ def dtr_hook(runner):
 def assert_thread_clean():
     assert torch._C._len_torch_dispatch_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert not dtr_mode_active()
+    assert not engine_active()
 
 
 @pytest.mark.parametrize('runner_type', [None, 'MMDTRRunner'])

@@ -26,9 +26,9 @@ from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
                                         init_cpu_dist)
 from mmdtr.adapters.dtr_hook import DTRHook
 from mmdtr.adapters.dtr_model_wrapper import (DTRDistributedDataParallel,
-                                              DTRTrainStep, dtr_mode_active)
+                                              DTRTrainStep)
 from mmdtr.adapters.runner import MMDTRRunner
-from mmdtr.dtr import DTR
+from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
 
@@ -56,7 +56,7 @@ class DTRWrapperToyNet(BaseModel):
         self.dtr_seen = []
 
     def forward(self, inputs, labels=None, mode='tensor'):
-        self.dtr_seen.append((mode, dtr_mode_active()))
+        self.dtr_seen.append((mode, engine_active()))
         logits = self.head(self.body(inputs).mean((2, 3)))
         if mode == 'loss':
             return dict(loss=F.cross_entropy(logits, labels))
@@ -99,7 +99,7 @@ def test_train_step_closes_the_engine_after_backward():
     optim.initialize_count_status(model, 0, 4)
     at_step = []
     optim.optimizer.register_step_pre_hook(
-        lambda *a: at_step.append(dtr_mode_active()))
+        lambda *a: at_step.append(engine_active()))
     hub = MessageHub.get_instance(f'dtr_step_{uuid.uuid4().hex}')
     step = DTRTrainStep(DTR_CFG, message_hub=hub)
     for i in range(2):  # the first only accumulates, the second steps
@@ -118,7 +118,7 @@ def test_train_step_keeps_an_instance_backward_and_refuses_misuse():
     calls = []
 
     def backward(loss, **kwargs):
-        calls.append(dtr_mode_active())
+        calls.append(engine_active())
         OptimWrapper.backward(optim, loss, **kwargs)
 
     optim.backward = backward

@@ -19,8 +19,9 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict, build_optim_wrapper
 from mmengine.registry import DATASETS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from torch.utils.data import Dataset
 
-from mmdtr.adapters.dtr_model_wrapper import DTRTrainStep, dtr_mode_active
+from mmdtr.adapters.dtr_model_wrapper import DTRTrainStep
 from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.dtr import engine_active
 
 DTR_CFG = dict(eviction_threshold='64KB', evictee_minimum_size='4KB')
 
@@ -148,7 +149,7 @@ def test_two_optimizers_bit_identical_under_dtr():
     for name, wrapper in optims.items():
         wrapper.optimizer.register_step_pre_hook(
             lambda *_, name=name: steps_under_dtr.append(
-                (name, dtr_mode_active())))
+                (name, engine_active())))
     step = DTRTrainStep(
         DTR_CFG, message_hub=MessageHub.get_instance(uuid.uuid4().hex))
     for i in range(2):
@@ -171,7 +172,7 @@ def test_two_optimizers_bit_identical_under_dtr():
     with pytest.raises(RuntimeError, match='generator step failed'):
         step(model.train_step, _images(0), optims)
     assert step.stats is stats  # nothing published for a failed step
-    assert not dtr_mode_active()
+    assert not engine_active()
     assert torch._C._len_torch_dispatch_stack() == 0
 
 

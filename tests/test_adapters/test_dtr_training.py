@@ -25,9 +25,9 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from mmdtr.adapters.dtr_model_wrapper import (SCALARS, dtr_mode_active,
-                                              model_device)
+from mmdtr.adapters.dtr_model_wrapper import SCALARS, model_device
 from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.dtr import engine_active
 from mmdtr.techniques.activation_checkpointing import is_checkpointed
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -201,7 +201,7 @@ class DTRComboProbeHook(Hook):
 
         def count(*args):
             self.steps += 1
-            self.active_at_step.append(dtr_mode_active())
+            self.active_at_step.append(engine_active())
 
         runner.optim_wrapper.optimizer.register_step_pre_hook(count)
 
@@ -399,7 +399,7 @@ def test_train_step_set_on_the_model_is_kept(tmp_path, toy_runner_cfg):
     model, under_dtr = runner.model, []
 
     def own_train_step(data, optim_wrapper):
-        under_dtr.append(dtr_mode_active())
+        under_dtr.append(engine_active())
         return type(model).train_step(model, data, optim_wrapper)
 
     model.train_step = own_train_step

@@ -101,3 +101,24 @@ def test_a_fork_while_another_thread_holds_the_lock_leaves_it_free():
     _, status = os.waitpid(pid, 0)
     thread.join()
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_engine_active_is_per_thread_and_covers_both_ways_in():
+    from mmdtr import dtr
+    seen = []
+    assert not dtr.engine_active()
+    with DTR(eviction_threshold='1GB'):
+        assert dtr.engine_active()
+        worker = threading.Thread(
+            target=lambda: seen.append(dtr.engine_active()))
+        worker.start()
+        worker.join()
+    assert seen == [False] and not dtr.engine_active()
+    dtr.eviction_threshold = '1GB'
+    try:
+        dtr.enable()
+        assert dtr.engine_active()
+    finally:
+        dtr.disable()
+        dtr.eviction_threshold = None
+    assert not dtr.engine_active()
