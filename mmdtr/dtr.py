@@ -25,13 +25,13 @@ import types
 
 from mmdtr.errors import MmdtrError
 from .core.dtr_mode import DTR, DTRStats, engine_active
-from .core.policies import POLICIES, EvictionPolicy
+from .core.policies import POLICIES, EvictionPolicy, register_policy
 from .core.sizes import parse_size
 
 __all__ = [
-    'DTR', 'DTRStats', 'EvictionPolicy', 'POLICIES', 'enable', 'disable',
-    'is_enabled', 'current_engine', 'engine_active', 'eviction_threshold',
-    'evictee_minimum_size', 'enable_sqrt_sampling'
+    'DTR', 'DTRStats', 'EvictionPolicy', 'POLICIES', 'register_policy',
+    'enable', 'disable', 'is_enabled', 'current_engine', 'engine_active',
+    'eviction_threshold', 'evictee_minimum_size', 'enable_sqrt_sampling'
 ]
 
 #: Evict while memory in use exceeds this ('5GB', bytes). ``None``/0: only

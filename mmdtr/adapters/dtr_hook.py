@@ -168,8 +168,9 @@ class DTRHook(Hook):
             evicted. Defaults to 1 MiB.
         enable_sqrt_sampling (bool): Score about sqrt(N) sampled candidates
             per eviction. Defaults to False.
-        policy (str): ``'dtr'``, ``'dtr_local'``, ``'lru'`` or
-            ``'largest'``. Defaults to ``'dtr'``.
+        policy (str): ``'dtr'``, ``'dtr_local'``, ``'lru'``,
+            ``'largest'``, or a name registered with
+            :func:`mmdtr.dtr.register_policy`. Defaults to ``'dtr'``.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:

@@ -88,7 +88,8 @@ class DTR:
         enable_sqrt_sampling (bool): Score about sqrt(N) sampled candidates
             per eviction instead of all. Defaults to False.
         policy (str | EvictionPolicy): ``'dtr'`` (default), ``'dtr_local'``,
-            ``'lru'``, ``'largest'``, or an instance.
+            ``'lru'``, ``'largest'``, a name given by
+            :func:`~mmdtr.core.policies.register_policy`, or an instance.
         device (str | torch.device, optional): Device whose memory is
             metered: ``'cpu'``, ``'cuda'``, ``'cuda:N'`` or a
             ``torch.device`` of those types. Defaults to the device of the

@@ -1,11 +1,14 @@
 """Eviction policies: pure scoring functions of a record and the clock.
 
-A policy never mutates anything; the engine calls :meth:`score` on
-candidates and evicts the one with the lowest score (rule R8 of
-docs/design.md). New policies subclass :class:`EvictionPolicy` and are
-registered in :data:`POLICIES` under a name.
+A policy changes no state of the engine's; the engine calls :meth:`score`
+on candidates and evicts the one with the lowest score (rule R8 of
+docs/design.md). (``evicted_neighborhood_cost()`` compresses the union-find
+paths it walks: the engine's own cache, the same classes and costs after.)
+New policies subclass :class:`EvictionPolicy`; :func:`register_policy`
+makes one reachable by name, from ``DTR(policy=...)`` and from the ``dtr``
+config key.
 """
-from typing import Dict, Type
+from typing import Dict, Optional, Type
 
 from mmdtr.errors import MmdtrError
 
@@ -31,6 +34,25 @@ class EvictionPolicy:
     uses_evicted_classes = True
 
     def score(self, record, clock: int) -> float:
+        """Score one eviction candidate; the lowest is evicted first.
+
+        Called above the threshold on each candidate (or on about sqrt(N)
+        of them with ``enable_sqrt_sampling``), while the engine's lock is
+        held: read the record, change nothing, raise nothing.
+
+        Args:
+            record (StorageRecord): A resident storage at least
+                ``evictee_minimum_size`` large (scored before the engine
+                checks that nothing else holds it, R3); read its
+                ``nbytes``, ``cost``, ``last_access``, ``remat_count`` and
+                ``evicted_neighborhood_cost()``.
+            clock (int): The engine's clock now (it counts the ops run in
+                scope, rebuilds included).
+
+        Returns:
+            float: The score; ties go to the candidate scored first, and a
+            candidate scored ``inf`` or NaN is never evicted.
+        """
         raise NotImplementedError
 
 
@@ -96,6 +118,66 @@ POLICIES: Dict[str, Type[EvictionPolicy]] = {
 }
 
 
+def register_policy(cls: Optional[Type[EvictionPolicy]] = None,
+                    *,
+                    force: bool = False):
+    """Register a policy class in :data:`POLICIES` under its ``name``.
+
+    Use it as a class decorator (``@register_policy`` or
+    ``@register_policy(force=True)``). The name is then accepted wherever a
+    built-in policy's is: ``DTR(policy=name)`` and the ``dtr`` config key,
+    in every process that imported the class (a config's
+    ``custom_imports``).
+
+    Args:
+        cls (type, optional): A subclass of :class:`EvictionPolicy` that
+            implements ``score`` and sets a ``name`` of its own.
+        force (bool): Replace a policy registered under the same name
+            (a built-in one too). Defaults to False.
+
+    Returns:
+        type: ``cls``, or a decorator when ``cls`` is not given.
+
+    Raises:
+        MmdtrError: If ``cls`` is not such a subclass, or its name is
+            taken and ``force`` is False.
+
+    Examples:
+        >>> @register_policy
+        ... class Newest(EvictionPolicy):
+        ...     name = 'newest'
+        ...     uses_evicted_classes = False
+        ...     def score(self, record, clock):
+        ...         return -float(record.last_access)
+        >>> # dtr = dict(eviction_threshold='5GB', policy='newest')
+    """
+    if cls is None:
+        return lambda klass: register_policy(klass, force=force)
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise MmdtrError(
+            f'register_policy({cls!r}): not a subclass of EvictionPolicy.',
+            'Subclass mmdtr.dtr.EvictionPolicy and implement '
+            'score(record, clock).')
+    name = cls.__dict__.get('name')
+    if not isinstance(name, str) or not name:
+        raise MmdtrError(
+            f'register_policy({cls.__name__}): the class sets no name of '
+            f'its own (name={getattr(cls, "name", None)!r} is inherited).',
+            f"Give it a class attribute, e.g. name = "
+            f"'{cls.__name__.lower()}'.")
+    if cls.score is EvictionPolicy.score:
+        raise MmdtrError(
+            f'register_policy({cls.__name__}): it does not implement '
+            'score(record, clock).', 'Override score in the class.')
+    if name in POLICIES and POLICIES[name] is not cls and not force:
+        raise MmdtrError(
+            f'register_policy({cls.__name__}): the name {name!r} is taken '
+            f'by {POLICIES[name].__name__}.',
+            'Choose another name, or pass force=True to replace it.')
+    POLICIES[name] = cls
+    return cls
+
+
 def keeps_evicted_classes(policy) -> bool:
     """Whether the engine keeps DTR's evicted classes for ``policy``: unless
     it says it does not read e* (``uses_evicted_classes = False``) on the
@@ -116,6 +198,13 @@ def keeps_evicted_classes(policy) -> bool:
 def build_policy(policy) -> EvictionPolicy:
     """Return a policy from a name in :data:`POLICIES` or an instance.
 
+    Args:
+        policy (str | EvictionPolicy): A registered name (a new instance
+            of its class is built), or an instance (returned as it is).
+
+    Returns:
+        EvictionPolicy: The policy the engine scores with.
+
     Raises:
         MmdtrError: If ``policy`` is neither, or is an instance whose
             ``score`` is the base class's (not implemented).
@@ -133,4 +222,5 @@ def build_policy(policy) -> EvictionPolicy:
         return POLICIES[policy]()
     raise MmdtrError(
         f'policy={policy!r} is not an eviction policy.',
-        f'Use one of {sorted(POLICIES)} or an EvictionPolicy instance.')
+        f'Use one of {sorted(POLICIES)} (names registered with '
+        'register_policy) or an EvictionPolicy instance.')

@@ -106,3 +106,24 @@ def test_cfg_options_turn_on_a_key_the_file_sets_to_none(train_tool, tmp_path):
     cfg = train_tool.build_cfg(args)
     assert cfg.custom_hooks[-1] == dict(
         type='mmdtr.DTRHook', eviction_threshold='3GB')
+
+
+def test_a_registered_policy_is_accepted_by_name():
+    from mmdtr.dtr import POLICIES, EvictionPolicy, register_policy
+
+    @register_policy
+    class Newest(EvictionPolicy):
+        name = 'newest_for_key_tests'
+        uses_evicted_classes = False
+
+        def score(self, record, clock):
+            return -float(record.last_access)
+
+    try:
+        value = dict(eviction_threshold='3GB', policy=Newest.name)
+        hook = HOOKS.build(translate_dtr(Config(dict(dtr=value)).dtr))
+        assert isinstance(DTR(**hook.settings).policy, Newest)
+    finally:
+        del POLICIES[Newest.name]
+    with pytest.raises(MmdtrError, match="policy='newest_for_key_tests'"):
+        translate_dtr(Config(dict(dtr=value)).dtr)

@@ -9,7 +9,8 @@ import torch
 from mmdtr.core import records
 from mmdtr.core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
                                  LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
-                                 build_policy, keeps_evicted_classes)
+                                 build_policy, keeps_evicted_classes,
+                                 register_policy)
 from mmdtr.core.records import StorageRecord
 from mmdtr.errors import MmdtrError
 
@@ -219,3 +220,88 @@ def test_a_subclass_whose_score_reads_e_star_keeps_the_classes():
     quiet.uses_evicted_classes = False  # said on the instance: honoured
     assert not keeps_evicted_classes(quiet)
     assert keeps_evicted_classes(DTRPolicy())
+
+
+class _Smallest(EvictionPolicy):
+    """Evicts the smallest candidate first; keeps the records it scored."""
+
+    name = 'smallest_for_tests'
+    uses_evicted_classes = False
+
+    def __init__(self):
+        self.scored = {}
+
+    def score(self, record, clock):
+        self.scored[id(record)] = record
+        return float(record.nbytes)
+
+
+def _evicted_sizes(policy):
+    """Four tanh outputs of 12, 4, 16 and 8 KiB, 48 KiB at the peak: at
+    47000 bytes one of the first two goes (by size: the 4 KiB one) before
+    the 16 KiB one is made."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, requires_grad=True)
+    from mmdtr.dtr import DTR
+    with DTR(
+            eviction_threshold=47000, evictee_minimum_size='4KB',
+            policy=policy) as engine:
+        loss = sum(torch.tanh(x.repeat(k)).sum() for k in (3, 1, 4, 2))
+        scored = engine.policy.scored.values()
+        evicted = sorted(r.nbytes for r in scored if not r.resident)
+        loss.backward()
+    expected = x.detach().clone().requires_grad_()
+    sum(torch.tanh(expected.repeat(k)).sum() for k in (3, 1, 4, 2)).backward()
+    assert torch.equal(x.grad, expected.grad)
+    assert engine.stats.recomputations > 0
+    return evicted
+
+
+def test_a_registered_policy_is_used_by_name_and_decides_the_evictions():
+    assert register_policy(_Smallest) is _Smallest
+    try:
+        assert isinstance(build_policy('smallest_for_tests'), _Smallest)
+        assert _evicted_sizes('smallest_for_tests') == [4096]
+
+        class _Largest(_Smallest):
+
+            def score(self, record, clock):
+                return -super().score(record, clock)
+
+        assert _evicted_sizes(_Largest()) == [12288]
+    finally:
+        del POLICIES['smallest_for_tests']
+
+
+class _NoName(LRUPolicy):
+
+    def score(self, record, clock):
+        return 0.0
+
+
+@pytest.mark.parametrize('cls, match', [
+    (LRUPolicy, None),
+    (_NoName, "sets no name of its own \\(name='lru' is inherited"),
+    (EvictionPolicy, 'does not implement score'),
+    (int, 'not a subclass of EvictionPolicy'),
+    (type('_Lazy',
+          (EvictionPolicy, ), {'name': 'lazy'}), 'does not implement score'),
+    (type('_Clash', (LRUPolicy, ), {'name': 'dtr'}), "'dtr' is taken by"),
+])
+def test_register_policy_refusals(cls, match):
+    if match is None:  # the same class again: nothing changes
+        assert register_policy(cls) is cls and POLICIES['lru'] is cls
+        return
+    before = dict(POLICIES)
+    with pytest.raises(MmdtrError, match=match) as info:
+        register_policy(cls)
+    assert info.value.hint and POLICIES == before
+
+
+def test_register_policy_force_replaces_a_name():
+    clash = type('_Clash', (LRUPolicy, ), {'name': 'lru'})
+    try:
+        assert register_policy(force=True)(clash) is clash
+        assert isinstance(build_policy('lru'), clash)
+    finally:
+        POLICIES['lru'] = LRUPolicy
