@@ -211,7 +211,9 @@ class DTRTrainStep:
     def _publish(self, stats: DTRStats) -> None:
         hub = self.message_hub or MessageHub.get_current_instance()
         for name, get in SCALARS.items():
-            hub.update_scalar(name, get(stats))
+            # not resumed: an iteration's figures are no training state,
+            # and a run resumed without DTR would log the checkpoint's
+            hub.update_scalar(name, get(stats), resumed=False)
 
 
 @MODEL_WRAPPERS.register_module()

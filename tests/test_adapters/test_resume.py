@@ -123,3 +123,22 @@ def test_getattr_stand_in_is_restricted(tmp_path):
     names = [g[1] for g in checkpoint_safe_globals() if isinstance(g, tuple)]
     assert 'builtins.getattr' in names
     assert getattr not in checkpoint_safe_globals()
+
+
+def test_dtr_scalars_are_not_carried_into_a_run_without_dtr(tmp_path):
+    # they were saved in the message hub: a run resumed without DTR logged
+    # the last checkpoint's figures at every iteration (found by an
+    # adversarial search)
+    dtr = dict(eviction_threshold=1, evictee_minimum_size=0)
+    first = MMDTRRunner.from_cfg(make_cfg(tmp_path / 'dtr', dtr=dtr))
+    first.train()
+    assert first.message_hub.get_scalar('train/dtr_evictions').current() > 0
+    ckpt = osp.join(tmp_path, 'dtr', f'iter_{CKPT_ITER}.pth')
+    saved = torch.load(ckpt, weights_only=True)['message_hub']['log_scalars']
+    assert not [name for name in saved if 'dtr' in name]
+    resumed = MMDTRRunner.from_cfg(
+        make_cfg(tmp_path / 'plain', load_from=ckpt, resume=True))
+    resumed.train()
+    scalars = resumed.message_hub.log_scalars
+    assert 'train/loss' in scalars
+    assert not [name for name in scalars if 'dtr' in name]
