@@ -208,7 +208,11 @@ def main(argv=None) -> int:
     for path in [json_path] + write_report(results, work_dir):
         print(f'wrote {path}')
     if failures:
-        raise MmdtrError(failures_message(failures, total, not_run, work_dir))
+        raise MmdtrError(
+            failures_message(failures, total, not_run, work_dir),
+            hint='fix what their logs show (e.g. a smaller --batch-size for '
+            "runs out of memory, a larger --timeout for runs that timed "
+            'out) and run the command again.')
     return 0
 
 

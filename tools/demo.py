@@ -68,6 +68,20 @@ def _without_features(cfg):
 
 
 def train(cfg, with_features, work_dir):
+    """Train ``cfg`` once, with or without its memory keys, and measure it.
+
+    Args:
+        cfg (Config): The config from :func:`build_cfg`.
+        with_features (bool): Keep the memory keys; False drops them all
+            (the baseline).
+        work_dir (str): The run's work directory.
+
+    Returns:
+        tuple: ``(peak, time, dtr)``: the profiled iteration's peak in
+        bytes (torch.profiler), the median time per iteration after it, and
+        the latest values of the ``train/dtr_*`` scalars (``peak_memory_mb``,
+        ``evictions``, ``recomputations``) that the log has, by short name.
+    """
     cfg = cfg.copy() if with_features else _without_features(cfg)
     cfg.work_dir = work_dir
     cfg = translate_memory_keys(cfg)
@@ -85,6 +99,15 @@ def train(cfg, with_features, work_dir):
 
 
 def parse_args(argv=None):
+    """Parse the demo's arguments: an optional config, ``--cfg-options``.
+
+    Args:
+        argv (list, optional): The arguments; by default ``sys.argv``'s.
+
+    Returns:
+        argparse.Namespace: ``config`` (default ``configs/demo_dtr.py``)
+        and ``cfg_options``.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument(
         'config',
@@ -152,7 +175,14 @@ def build_cfg(args):
 
 
 def demo(args) -> None:
-    """Train without and with the memory features; print the comparison."""
+    """Train without and with the memory features; print the comparison.
+
+    Args:
+        args (argparse.Namespace): The parsed arguments.
+
+    Raises:
+        MmdtrError: On a bad config (see :func:`build_cfg`).
+    """
     cfg, features = build_cfg(args)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [('without', *train(cfg, False, osp.join(tmp, 'base')))]
@@ -177,6 +207,11 @@ def demo(args) -> None:
 
 
 def main(argv=None) -> None:
+    """Run the demo; on an :class:`MmdtrError`, print it and exit with 1.
+
+    Args:
+        argv (list, optional): The arguments; by default ``sys.argv``'s.
+    """
     try:
         demo(parse_args(argv))
     except MmdtrError as error:

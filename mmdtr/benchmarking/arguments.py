@@ -89,7 +89,10 @@ def check_numbers(args) -> None:
         value = getattr(args, dest)
         if value is not None and value < least:
             flag = '--' + dest.replace('_', '-')
-            raise MmdtrError(f'{flag} {value} must be at least {least}.')
+            raise MmdtrError(
+                f'{flag} {value} must be at least {least}.',
+                hint=f'give {flag} {least} or more, or leave it out for '
+                'its default.')
     if args.timeout is not None and not (math.isfinite(args.timeout) and
                                          0 < args.timeout <= MAX_TIMEOUT_S):
         raise MmdtrError(
@@ -98,8 +101,10 @@ def check_numbers(args) -> None:
             'run can wait on its result).',
             hint='leave --timeout out for no limit.')
     if not SEEDS[0] <= args.seed <= SEEDS[1]:
-        raise MmdtrError(f'--seed {args.seed} is out of the range '
-                         f'{SEEDS[0]} to {SEEDS[1]} that torch accepts.')
+        raise MmdtrError(
+            f'--seed {args.seed} is out of the range '
+            f'{SEEDS[0]} to {SEEDS[1]} that torch accepts.',
+            hint='give a seed in that range, e.g. --seed 0 (the default).')
     for fraction in args.fractions or ():
         if not (math.isfinite(fraction) and 0 < fraction <= 1):
             raise MmdtrError(
@@ -131,6 +136,12 @@ def check_threshold(threshold: int, flag: str, value: str,
 
 def parse_match(value: str) -> Union[str, int]:
     """``--match``: a technique of :data:`.ALTERNATIVES`, or bytes.
+
+    Args:
+        value (str): The flag's value.
+
+    Returns:
+        str | int: The technique's name, or the size in bytes.
 
     Raises:
         MmdtrError: If ``value`` is neither.
@@ -175,6 +186,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     Args:
         argv (list, optional): The arguments; by default ``sys.argv``'s.
+
+    Returns:
+        argparse.Namespace: The arguments, with ``defaults``: the parser's
+        default of each option that only some commands read.
 
     Raises:
         MmdtrError: If argparse refuses them.
@@ -284,19 +299,45 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def quick_default(value, quick_key, args, normal):
     """``value`` if given, else ``QUICK[quick_key]`` under ``--quick``, else
-    ``normal``."""
+    ``normal``.
+
+    Args:
+        value: The flag's value, None when not given.
+        quick_key (str): The key of :data:`QUICK`.
+        args (argparse.Namespace): The parsed arguments (``args.quick``).
+        normal: The default without ``--quick``.
+
+    Returns:
+        The value to use.
+    """
     if value is not None:
         return value
     return QUICK[quick_key] if args.quick else normal
 
 
 def max_batch(args) -> int:
-    """The largest batch largest-batch tries."""
+    """The largest batch largest-batch tries.
+
+    Args:
+        args (argparse.Namespace): The parsed arguments.
+
+    Returns:
+        int: ``--max-batch``, else ``QUICK['max_batch']`` under
+        ``--quick``, else 1024.
+    """
     return quick_default(args.max_batch, 'max_batch', args, 1024)
 
 
 def check_args(args) -> None:
-    """Reject bad arguments before anything runs; resolve ``--device``."""
+    """Reject bad arguments before anything runs; resolve ``--device``.
+
+    Args:
+        args (argparse.Namespace): From :func:`parse_args`; its ``device``
+            is replaced by :func:`check_device`'s.
+
+    Raises:
+        MmdtrError: On the first bad or inapplicable argument.
+    """
     args.device = check_device(args.device)
     check_numbers(args)
     parse_size(args.evictee_minimum_size, '--evictee-minimum-size')
@@ -307,14 +348,21 @@ def check_args(args) -> None:
     match = parse_match(args.match)
     if args.command in ('largest-batch', 'all'):
         if args.capacity is None and not args.quick:
-            raise MmdtrError(f'{args.command} needs --capacity, e.g. 1GB.')
+            raise MmdtrError(
+                f'{args.command} needs --capacity, e.g. 1GB.',
+                hint='give the memory the batch must fit in, e.g. '
+                "--capacity 11GB; or add --quick, which takes a quarter "
+                "above the baseline's peak.")
         if capacity == 0:
             raise MmdtrError(
                 f'--capacity {args.capacity} must be above 0.',
                 hint='e.g. --capacity 1GB.')
         if capacity is not None and headroom >= capacity:
-            raise MmdtrError(f'--headroom {args.headroom} leaves no room in '
-                             f'--capacity {args.capacity}.')
+            raise MmdtrError(
+                f'--headroom {args.headroom} leaves no room in '
+                f'--capacity {args.capacity}.',
+                hint='give a --headroom below --capacity (DTR runs at '
+                'threshold capacity - headroom), or a larger --capacity.')
         largest = max_batch(args)
         quick_max = args.max_batch is None and args.quick
         if args.start_batch is not None and args.start_batch > largest:

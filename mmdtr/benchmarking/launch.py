@@ -26,6 +26,8 @@ import tempfile
 import time
 from typing import Optional
 
+from mmdtr.errors import MmdtrError
+
 _WORKER = 'mmdtr.benchmarking.worker'
 _REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 LAUNCHERS = ('forkserver', 'subprocess')
@@ -36,7 +38,14 @@ _GRACE_S = 5
 
 def default_launcher(device: str = 'cpu') -> str:
     """``'forkserver'`` for CPU runs where the platform has it, else
-    ``'subprocess'``."""
+    ``'subprocess'``.
+
+    Args:
+        device (str): The runs' device. Defaults to ``'cpu'``.
+
+    Returns:
+        str: One of :data:`LAUNCHERS`.
+    """
     methods = multiprocessing.get_all_start_methods()
     if str(device).startswith('cuda') or 'forkserver' not in methods:
         return 'subprocess'
@@ -81,14 +90,23 @@ class Progress:
         sys.stderr.flush()
 
     def set_label(self, label: str) -> None:
-        """Show what runs now."""
+        """Show what runs now.
+
+        Args:
+            label (str): The run's name.
+        """
         if self._tqdm is not None:
             self._tqdm.set_postfix_str(label)
         elif self.enabled:
             self._draw(f'running {label}')
 
     def update(self, label: str = '') -> None:
-        """Count one finished run."""
+        """Count one finished run.
+
+        Args:
+            label (str): What to show with it, e.g. ``'name: status'``.
+                Defaults to ``''``.
+        """
         self.done += 1
         if self._tqdm is not None:
             self._tqdm.update(1)
@@ -130,8 +148,10 @@ class Launcher:
                  timeout: Optional[float] = None):
         self.kind = kind or default_launcher()
         if self.kind not in LAUNCHERS:
-            raise ValueError(f'launcher {self.kind!r} is not one of '
-                             f'{LAUNCHERS}')
+            raise MmdtrError(
+                f'launcher {self.kind!r} is not one of {list(LAUNCHERS)}.',
+                hint="give 'forkserver' or 'subprocess', or None for "
+                "default_launcher()'s choice.")
         self.log_dir, self.timeout = log_dir, timeout
         self.count = 0
         self._context = None

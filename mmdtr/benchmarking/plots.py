@@ -37,7 +37,17 @@ def _finite_dtr(records: List[dict]) -> List[dict]:
 
 
 def plot_sweep(records: List[dict], path: str) -> str:
-    """Step time and peak memory against the threshold; returns ``path``."""
+    """Step time and peak memory against the threshold; returns ``path``.
+
+    Args:
+        records (list[dict]): The sweep's run records; the successful DTR
+            runs at a threshold are plotted, the baseline, the dispatch
+            floor and DTR without eviction drawn as horizontal lines.
+        path (str): The PNG file to write.
+
+    Returns:
+        str: ``path``.
+    """
     points = _finite_dtr(records)
     fig, (ax_time, ax_peak) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = [r['threshold'] / MIB for r in points]
@@ -87,7 +97,16 @@ def plot_sweep(records: List[dict], path: str) -> str:
 
 
 def plot_time_vs_peak(results: dict, path: str) -> str:
-    """Step time against engine-metered peak, every technique."""
+    """Step time against engine-metered peak, every technique.
+
+    Args:
+        results (dict): The contents of ``results.json``; its ``sweep`` and
+            ``compare`` runs are plotted.
+        path (str): The PNG file to write.
+
+    Returns:
+        str: ``path``.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.8))
     sweep = results.get('sweep', {}).get('runs', [])
     line = _finite_dtr(sweep)

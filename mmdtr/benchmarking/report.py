@@ -25,7 +25,16 @@ _PROBE_KEYS = ('config', 'image_size', 'seq_len', 'device', 'optimizer')
 
 
 def machine_info(device: str) -> dict:
-    """The machine and software the runs ran on."""
+    """The machine and software the runs ran on.
+
+    Args:
+        device (str): The runs' device; a CUDA device adds ``gpu``.
+
+    Returns:
+        dict: ``cpu``, ``cpu_count``, ``torch_threads``, ``torch``,
+        ``python``, ``platform``, ``device`` and, where known,
+        ``mmengine``, ``load_average`` and ``gpu``.
+    """
     cpu = platform.processor() or platform.machine()
     try:
         with open('/proc/cpuinfo') as f:
@@ -57,7 +66,21 @@ def machine_info(device: str) -> dict:
 
 
 def update_results(path: str, meta: dict, section: str, data) -> dict:
-    """Write ``data`` as ``section`` of the JSON at ``path``; return all."""
+    """Write ``data`` as ``section`` of the JSON at ``path``; return all.
+
+    Args:
+        path (str): The ``results.json`` file; its other sections are kept.
+        meta (dict): Replaces ``meta`` (see :func:`machine_info`).
+        section (str): The section's name, e.g. ``'sweep'``.
+        data: The section's contents.
+
+    Returns:
+        dict: Everything written.
+
+    Raises:
+        MmdtrError: If an existing file is not a ``results.json`` of the
+            benchmark (:func:`~.results.read_results`).
+    """
     results = read_results(path)
     results['meta'] = meta
     results[section] = data
@@ -65,7 +88,19 @@ def update_results(path: str, meta: dict, section: str, data) -> dict:
 
 
 def drop_sections(path: str, sections: Sequence[str]) -> dict:
-    """Remove ``sections`` from the JSON at ``path``; return all."""
+    """Remove ``sections`` from the JSON at ``path``; return all.
+
+    Args:
+        path (str): The ``results.json`` file.
+        sections (Sequence[str]): Section names; those absent are skipped.
+
+    Returns:
+        dict: Everything written.
+
+    Raises:
+        MmdtrError: If an existing file is not a ``results.json`` of the
+            benchmark (:func:`~.results.read_results`).
+    """
     results = read_results(path)
     for section in sections:
         results.pop(section, None)
@@ -85,6 +120,11 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
     Sweep and compare runs fail when their status is not ``'ok'``; the
     largest-batch search of a technique fails when a probe fails otherwise
     than by not fitting.
+
+    Args:
+        section (str): ``'sweep'``, ``'compare'`` or ``'largest_batch'``.
+        data (dict): The section: ``runs``, or for ``largest_batch`` its
+            ``result``.
 
     Returns:
         tuple: ``(failed, total)``: a ``'name (status)'`` per failed run,
@@ -107,7 +147,18 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
 
 def failures_message(failures: List[str], total: int, not_run: Sequence[str],
                      work_dir: str) -> str:
-    """What the tool says when runs failed (see :func:`failed_runs`)."""
+    """What the tool says when runs failed (see :func:`failed_runs`).
+
+    Args:
+        failures (list[str]): The failed runs; the first five are named.
+        total (int): The number of runs.
+        not_run (Sequence[str]): The commands left out after a benchmark
+            whose every run failed.
+        work_dir (str): The work dir, whose ``logs`` the message names.
+
+    Returns:
+        str: The message.
+    """
     shown = ', '.join(failures[:5])
     if len(failures) > 5:
         shown += f' and {len(failures) - 5} more'
@@ -156,7 +207,15 @@ def _best_slowdown(record: dict, base: Optional[dict]) -> Optional[float]:
 def targets_apply(settings: dict) -> bool:
     """Whether the issue's targets are defined for a sweep: a ResNet-50
     training step on CPU, batch 8 or more, DTR's own policy (an audit found
-    them on every sweep, a GPU's and GPT's too)."""
+    them on every sweep, a GPU's and GPT's too).
+
+    Args:
+        settings (dict): The sweep's settings.
+
+    Returns:
+        bool: True for a CPU sweep of the shipped ResNet-50 config (no
+        ``--cfg-options`` on ``model``), batch 8 or more, policy ``'dtr'``.
+    """
     return (
         str(settings.get('device') or 'cpu').startswith('cpu')
         and settings.get('policy', 'dtr') == 'dtr'
@@ -236,7 +295,14 @@ def _step(record: Optional[dict], fastest: bool) -> Optional[float]:
 def per_op_line(records: List[dict]) -> Optional[str]:
     """The sweep's cost per op: the dispatch floor over the baseline, and
     DTR without eviction over the floor (medians, then fastest steps), or
-    ``None`` without those three runs or an op count."""
+    ``None`` without those three runs or an op count.
+
+    Args:
+        records (list[dict]): The sweep's run records.
+
+    Returns:
+        str | None: The sentence, in microseconds per op.
+    """
     first = {}
     for r in records:
         if r['technique'] == 'dtr' and (r.get('threshold') or 0) < 2**60:
@@ -268,7 +334,14 @@ def _settings_line(
 
 
 def markdown(results: dict) -> str:
-    """The tables of every section of ``results``."""
+    """The tables of every section of ``results``.
+
+    Args:
+        results (dict): The contents of ``results.json``.
+
+    Returns:
+        str: ``benchmark.md``'s Markdown.
+    """
     meta = results.get('meta', {})
     lines = [
         '# Benchmark', '',
@@ -342,7 +415,18 @@ def markdown(results: dict) -> str:
 
 
 def write_report(results: dict, work_dir: str) -> List[str]:
-    """Write ``benchmark.md`` and the plots; return the paths written."""
+    """Write ``benchmark.md`` and the plots; return the paths written.
+
+    The plots need matplotlib; ``sweep.png`` is drawn when there is a
+    sweep, ``time_vs_peak.png`` when there is a sweep or a compare.
+
+    Args:
+        results (dict): The contents of ``results.json``.
+        work_dir (str): Where the files go.
+
+    Returns:
+        list[str]: The paths written.
+    """
     from .plots import plot_sweep, plot_time_vs_peak
     path = osp.join(work_dir, 'benchmark.md')
     with open(path, 'w') as f:

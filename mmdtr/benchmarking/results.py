@@ -127,6 +127,12 @@ def check_results(results, path: str = 'results.json') -> None:
 def read_results(path: str) -> dict:
     """The checked contents of ``results.json`` at ``path``; ``{}`` if none.
 
+    Args:
+        path (str): The file.
+
+    Returns:
+        dict: Its contents, or ``{}`` if the file does not exist.
+
     Raises:
         MmdtrError: If the file cannot be read, is not JSON, or is not laid
             out as the benchmark writes it.

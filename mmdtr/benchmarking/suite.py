@@ -10,6 +10,7 @@ import statistics
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mmdtr.core.policies import POLICIES
+from mmdtr.errors import MmdtrError
 from .launch import Launcher, Progress
 from .worker import make_spec
 from .workloads import NO_EVICTION
@@ -87,6 +88,8 @@ class BenchmarkSuite:
     Args:
         launcher (Launcher): Starts the runs.
         progress (bool): Show progress bars.
+        repeats (int): Rounds of the sweep's runs, their measured steps
+            pooled. Defaults to 1.
         **settings: Keyword arguments of
             :func:`~mmdtr.benchmarking.worker.make_spec` shared by all
             runs: ``config``, ``batch_size``, ``device``, ``warmup``, ...
@@ -104,17 +107,41 @@ class BenchmarkSuite:
 
     @property
     def cuda(self) -> bool:
+        """Whether the runs' ``device`` setting is a CUDA device."""
         return str(self.settings.get('device', 'cpu')).startswith('cuda')
 
     def spec(self, technique: str, **overrides) -> dict:
-        """A spec from the shared settings and ``overrides``."""
+        """A spec from the shared settings and ``overrides``.
+
+        Args:
+            technique (str): One of :data:`~.workloads.TECHNIQUES`.
+            **overrides: Keyword arguments of
+                :func:`~mmdtr.benchmarking.worker.make_spec` that replace
+                the shared ones.
+
+        Returns:
+            dict: The spec.
+        """
         kwargs = dict(self.settings)
         kwargs.update(overrides)
         config, batch_size = kwargs.pop('config'), kwargs.pop('batch_size')
         return make_spec(config, technique, batch_size, **kwargs)
 
     def run(self, name: str, spec: dict, bar: Progress, **extra) -> dict:
-        """Run ``spec`` (once per suite) and return its record."""
+        """Run ``spec`` (once per suite) and return its record.
+
+        Args:
+            name (str): The run's name, for the record, the log and the bar.
+            spec (dict): From :meth:`spec`.
+            bar (Progress): Counts the run.
+            **extra: More keys of the record, e.g. ``fraction``.
+
+        Returns:
+            dict: ``name``, ``technique``, ``policy`` (DTR only),
+            ``threshold``, ``batch_size``, the keys of ``extra`` and the
+            run's result; with ``repeats`` > 1 also ``spec`` and
+            ``repeats``.
+        """
         key = json.dumps(spec, sort_keys=True)
         bar.set_label(name)
         if key not in self._cache:
@@ -133,7 +160,15 @@ class BenchmarkSuite:
         return record
 
     def bar(self, total: Optional[int], desc: str) -> Progress:
-        """A progress bar (silent unless the suite shows progress)."""
+        """A progress bar (silent unless the suite shows progress).
+
+        Args:
+            total (int | None): Runs expected, or None when unknown.
+            desc (str): Label in front of the bar.
+
+        Returns:
+            Progress: The bar.
+        """
         return Progress(total, desc, enabled=self.progress)
 
     def sweep(self,
@@ -220,16 +255,38 @@ class BenchmarkSuite:
         record['repeats'] = repeat
 
     def baseline(self, bar: Progress) -> dict:
-        """The run without any technique (engine-metered in an extra step)."""
+        """The run without any technique (engine-metered in an extra step).
+
+        Args:
+            bar (Progress): Counts the run.
+
+        Returns:
+            dict: Its record (see :meth:`run`).
+        """
         return self.run('baseline', self.spec('baseline'), bar)
 
     def dispatch_floor(self, bar: Progress) -> dict:
         """An empty dispatch mode and saved-tensor hooks: what any engine
-        built as DTR is pays (see :class:`~.workloads.DispatchFloor`)."""
+        built as DTR is pays (see :class:`~.workloads.DispatchFloor`).
+
+        Args:
+            bar (Progress): Counts the run.
+
+        Returns:
+            dict: Its record (see :meth:`run`).
+        """
         return self.run('dispatch floor', self.spec('dispatch_floor'), bar)
 
     def no_eviction(self, bar: Progress, policy: str = 'dtr') -> dict:
-        """DTR at a threshold never reached: overhead and baseline peak."""
+        """DTR at a threshold never reached: overhead and baseline peak.
+
+        Args:
+            bar (Progress): Counts the run.
+            policy (str): The eviction policy. Defaults to ``'dtr'``.
+
+        Returns:
+            dict: Its record (see :meth:`run`).
+        """
         return self.run('dtr (no eviction)',
                         self.spec('dtr', threshold=NO_EVICTION, policy=policy),
                         bar)
@@ -276,8 +333,12 @@ class BenchmarkSuite:
         else:
             found = [r for r in records if r['technique'] == match]
             if not found:
-                raise ValueError(f'--match {match!r} is not one of '
-                                 f'{list(ALTERNATIVES)} or a size')
+                raise MmdtrError(
+                    f'--match {match!r} is not one of '
+                    f'{list(ALTERNATIVES)} or a size.',
+                    hint='give one of those names, or the threshold in '
+                    'bytes as an int (parse_match turns a size such as '
+                    '200MB into one).')
             threshold, matched = found[0]['peak_engine'], match
         for policy in policies:
             name = f'dtr[{policy}]'
@@ -323,6 +384,18 @@ class BenchmarkSuite:
         card, DTR's threshold is ``capacity - headroom`` too, and a run fits
         when it finishes a warm-up step and a measured step without running
         out of memory.
+
+        Args:
+            technique (str): ``'baseline'`` or ``'dtr'``.
+            batch (int): The batch size tried.
+            capacity (int): The memory capacity in bytes.
+            policy (str): DTR's eviction policy.
+            bar (Progress): Counts the run.
+            headroom (int): Bytes below ``capacity`` of DTR's threshold.
+                Defaults to 0.
+
+        Returns:
+            dict: The run's record (see :meth:`run`), with ``fits``.
         """
         overrides = dict(batch_size=batch, profile=False)
         if technique == 'dtr':
@@ -358,6 +431,15 @@ class BenchmarkSuite:
         saves the probes of small batches, each a fresh process).
         A probe that fails otherwise than by running out of memory stops
         that technique's search (``largest_batch`` None, ``error`` set).
+
+        Args:
+            capacity (int): The memory capacity in bytes.
+            max_batch (int): Largest batch tried. Defaults to 1024.
+            policy (str): DTR's eviction policy. Defaults to ``'dtr'``.
+            headroom (int): Bytes below ``capacity`` of DTR's threshold.
+                Defaults to 0.
+            start_batch (int): First batch the baseline tries. Defaults
+                to 1.
 
         Returns:
             dict: ``capacity``, ``max_batch``, ``policy``, ``headroom``,

@@ -69,10 +69,40 @@ def make_spec(config: str,
               seed: int = 0) -> dict:
     """Describe one run. Arguments are as in ``tools/benchmark.py``.
 
-    ``threshold`` is the DTR threshold in bytes (``technique='dtr'`` only);
-    ``meter`` and ``profile`` switch steps 3 and 4 of the module docstring;
-    ``capacity`` (bytes) limits this process's CUDA memory with
-    ``torch.cuda.set_per_process_memory_fraction``.
+    Args:
+        config (str): Path of the workload config.
+        technique (str): One of :data:`~.workloads.TECHNIQUES`.
+        batch_size (int): Samples in the batch.
+        cfg_options (dict, optional): ``--cfg-options`` to merge.
+        image_size (int, optional): Image side of an image dataset.
+        seq_len (int, optional): Sequence length of a token dataset.
+        device (str): ``'cpu'``, ``'cuda'`` or ``'cuda:N'``.
+            Defaults to ``'cpu'``.
+        threshold (int, optional): The DTR threshold in bytes
+            (``technique='dtr'`` only).
+        policy (str): DTR's eviction policy. Defaults to ``'dtr'``.
+        evictee_minimum_size (int): DTR's ``evictee_minimum_size`` in
+            bytes. Defaults to 1 MiB.
+        sqrt_sampling (bool): DTR scores about sqrt(N) sampled eviction
+            candidates. Defaults to False.
+        warmup (int): Steps before the measured ones. Defaults to 1.
+        steps (int): Measured steps. Defaults to 3.
+        optimizer (str): One of :data:`~.workloads.OPTIMIZERS`.
+            Defaults to ``'sgd'``.
+        blocks (str, optional): Glob of the blocks the alternatives
+            checkpoint; defaults to the model's.
+        meter (bool): Step 3 of the module docstring (the engine-metered
+            step of a run without DTR). Defaults to True.
+        profile (bool): Step 4 on CPU (the profiler-metered step).
+            Defaults to True.
+        capacity (int, optional): Bytes of CUDA memory this process may
+            use (``torch.cuda.set_per_process_memory_fraction``).
+        threads (int, optional): ``torch.set_num_threads`` of the run.
+        seed (int): Seeds torch before the model is built. Defaults to 0.
+
+    Returns:
+        dict: The spec, JSON-able: the arguments by name, ``batch_size`` as
+        an int and ``cfg_options`` as a dict.
     """
     return dict(
         config=config,
@@ -171,6 +201,9 @@ def _measure(spec: dict, result: dict) -> None:
 def run_spec(spec: dict) -> dict:
     """Do the run ``spec`` describes; never raises.
 
+    Args:
+        spec (dict): From :func:`make_spec`.
+
     Returns:
         dict: ``status`` (``'ok'``, ``'oom'`` when CUDA ran out of memory,
         or ``'error'`` with ``error``), ``median_step_s``,
@@ -214,12 +247,25 @@ def run_spec(spec: dict) -> dict:
 
 def log_result(result: dict) -> None:
     """End a launched run's log (its stdout) with its result as JSON, so
-    that a search cut off before ``results.json`` leaves what it found."""
+    that a search cut off before ``results.json`` leaves what it found.
+
+    Args:
+        result (dict): From :func:`run_spec`; printed after
+            :data:`RESULT_PREFIX`.
+    """
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 def main(argv=None) -> None:
-    """``python -m mmdtr.benchmarking.worker SPEC.json RESULT.json``."""
+    """``python -m mmdtr.benchmarking.worker SPEC.json RESULT.json``.
+
+    Reads the spec, runs it and writes the result, then logs it
+    (:func:`log_result`).
+
+    Args:
+        argv (list, optional): ``[SPEC.json, RESULT.json]``; by default
+            ``sys.argv[1:]``.
+    """
     spec_path, result_path = (argv if argv is not None else sys.argv[1:])
     with open(spec_path) as f:
         spec = json.load(f)

@@ -169,6 +169,14 @@ def split_even(items: Sequence, parts: int) -> List[list]:
     """Split ``items`` into ``parts`` contiguous groups of near-equal size.
 
     The first ``len(items) % parts`` groups get one item more.
+
+    Args:
+        items (Sequence): The items, in order.
+        parts (int): Groups wanted; clamped to between 1 and
+            ``len(items)``.
+
+    Returns:
+        list[list]: The groups.
     """
     parts = max(1, min(parts, len(items)))
     size, extra = divmod(len(items), parts)
@@ -241,8 +249,10 @@ def apply_technique(model: nn.Module,
         str: A short description, e.g. ``'4 segments of 16 blocks'``.
     """
     if technique not in TECHNIQUES:
-        raise MmdtrError(f'technique {technique!r} is unknown; accepted: '
-                         f'{list(TECHNIQUES)}.')
+        raise MmdtrError(
+            f'technique {technique!r} is unknown; accepted: '
+            f'{list(TECHNIQUES)}.',
+            hint="give one of those, e.g. 'baseline' or 'dtr'.")
     if technique in ('baseline', 'dtr', 'dispatch_floor'):
         return ''
     names = block_names(model, blocks)
@@ -320,7 +330,10 @@ class Workload:
                  optimizer: str = 'sgd',
                  seed: int = 0):
         if batch_size < 1:
-            raise MmdtrError(f'batch size {batch_size} is not positive.')
+            raise MmdtrError(
+                f'batch size {batch_size} is not positive.',
+                hint='give a batch size of 1 or more (--batch-size, or '
+                'train_dataloader.batch_size of the config).')
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.model = MODELS.build(cfg.model).to(self.device)
@@ -339,12 +352,18 @@ class Workload:
             if optimizer == 'sgd_in_backward':
                 self.stepper = PerParameterStepper(self.optimizer)
         elif optimizer != 'none':
-            raise MmdtrError(f'optimizer {optimizer!r} is not one of '
-                             f'{OPTIMIZERS}.')
+            raise MmdtrError(
+                f'optimizer {optimizer!r} is not one of {OPTIMIZERS}.',
+                hint='give one of those, e.g. --optimizer sgd (the '
+                'default).')
 
     def step(self, engine: Optional[DTR] = None) -> float:
         """One training step; ``engine`` (if any: a :class:`DTR` or a
         :class:`DispatchFloor`) around the forward and the backward.
+
+        Args:
+            engine (DTR | DispatchFloor, optional): Entered around the
+                forward and the backward.
 
         Returns:
             float: The loss.

@@ -36,7 +36,9 @@ def _check_positive(name: str, value, allow_zero: bool = False) -> None:
     if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
             or value < low):
         kind = 'non-negative' if allow_zero else 'positive'
-        raise MmdtrError(f'{name} must be a {kind} int, got {value!r}.')
+        raise MmdtrError(
+            f'{name} must be a {kind} int, got {value!r}.',
+            hint=f"set the dataset's {name} to an int of {low} or more.")
 
 
 class _SyntheticDataset(Dataset):
@@ -105,7 +107,9 @@ class SyntheticImageDataset(_SyntheticDataset):
         if len(image_size) != 2:
             raise MmdtrError(
                 f'image_size must be an int or (height, width), got '
-                f'{image_size!r}.')
+                f'{image_size!r}.',
+                hint='give one side for square images, e.g. image_size=112, '
+                'or two, e.g. image_size=(112, 96).')
         for size in image_size:
             _check_positive('image_size', size)
         _check_positive('num_classes', num_classes)

@@ -74,8 +74,11 @@ class BaseImageClassifier(BaseModel):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         if not isinstance(num_classes, int) or num_classes < 1:
-            raise MmdtrError(f'model.num_classes must be a positive int, got '
-                             f'{num_classes!r}.')
+            raise MmdtrError(
+                f'model.num_classes must be a positive int, got '
+                f'{num_classes!r}.',
+                hint='set model.num_classes to the number of classes of the '
+                'dataset, e.g. num_classes=1000.')
         super().__init__(
             data_preprocessor=build_data_preprocessor(data_preprocessor),
             init_cfg=init_cfg)
@@ -104,11 +107,15 @@ class BaseImageClassifier(BaseModel):
         """
         if mode not in MODES:
             raise MmdtrError(
-                f'forward mode must be one of {MODES}, got {mode!r}.')
+                f'forward mode must be one of {MODES}, got {mode!r}.',
+                hint="call the model with mode='tensor', 'loss' or "
+                "'predict'.")
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
             raise MmdtrError(
                 'image inputs must be a tensor of shape (N, C, H, W), got '
-                f'{describe_value(inputs)}.')
+                f'{describe_value(inputs)}.',
+                hint='the dataset must return each image as inputs, a '
+                'tensor of shape (C, H, W).')
         labels = self._check_labels(data_samples, inputs.size(0))
         logits = self.head(self.backbone(inputs))
         if mode == 'tensor':
@@ -140,7 +147,9 @@ class BaseImageClassifier(BaseModel):
             raise MmdtrError(
                 'classifier data_samples must be an int64 tensor of class '
                 f'indices with shape ({batch_size},), got '
-                f'{describe_value(data_samples)}.')
+                f'{describe_value(data_samples)}.',
+                hint='the dataset must return each class index as '
+                'data_samples, an int64 scalar tensor.')
         return data_samples.long()
 
 

@@ -162,11 +162,14 @@ class GPTDecoder(BaseModel):
             if not isinstance(value, int) or value < 1:
                 raise MmdtrError(
                     f'GPTDecoder {key} must be a positive int, got '
-                    f'{value!r}.')
+                    f'{value!r}.',
+                    hint=f'set model.{key} to an int of 1 or more.')
         if embed_dims % num_heads:
             raise MmdtrError(
                 f'GPTDecoder embed_dims ({embed_dims}) must be divisible by '
-                f'num_heads ({num_heads}).')
+                f'num_heads ({num_heads}).',
+                hint='change model.embed_dims or model.num_heads, e.g. '
+                'embed_dims=256 with num_heads=4.')
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.token_embedding = nn.Embedding(vocab_size, embed_dims)
@@ -216,14 +219,20 @@ class GPTDecoder(BaseModel):
         """
         if mode not in MODES:
             raise MmdtrError(
-                f'forward mode must be one of {MODES}, got {mode!r}.')
+                f'forward mode must be one of {MODES}, got {mode!r}.',
+                hint="call the model with mode='tensor', 'loss' or "
+                "'predict'.")
         self._check_tokens(inputs, 'inputs')
         if data_samples is not None:
             self._check_tokens(data_samples, 'data_samples')
             if data_samples.shape != inputs.shape:
-                raise MmdtrError(f'GPTDecoder targets have shape '
-                                 f'{tuple(data_samples.shape)}, inputs '
-                                 f'{tuple(inputs.shape)}; they must match.')
+                raise MmdtrError(
+                    f'GPTDecoder targets have shape '
+                    f'{tuple(data_samples.shape)}, inputs '
+                    f'{tuple(inputs.shape)}; they must match.',
+                    hint='give one target id per input token (-100 to '
+                    'ignore one), or no data_samples to predict '
+                    'inputs[:, 1:].')
         logits = self._logits(inputs)
         if mode == 'tensor':
             return logits
@@ -256,7 +265,9 @@ class GPTDecoder(BaseModel):
                 or tokens.dtype != torch.int64):
             raise MmdtrError(
                 f'GPTDecoder {name} must be an int64 tensor of shape (N, T), '
-                f'got {describe_value(tokens)}.')
+                f'got {describe_value(tokens)}.',
+                hint=f'pass {name} as int64 token ids batched to (N, T), '
+                'e.g. as SyntheticTokenDataset returns them.')
         if tokens.size(1) > self.max_seq_len:
             raise MmdtrError(
                 f'GPTDecoder {name} has {tokens.size(1)} tokens, more than '

@@ -138,8 +138,11 @@ class ResNet(nn.Module):
                  zero_init_residual: bool = False):
         super().__init__()
         if depth not in self.arch_settings:
-            raise MmdtrError(f'ResNet depth must be one of '
-                             f'{sorted(self.arch_settings)}, got {depth!r}.')
+            raise MmdtrError(
+                f'ResNet depth must be one of '
+                f'{sorted(self.arch_settings)}, got {depth!r}.',
+                hint='set model.depth to one of those, e.g. '
+                '--cfg-options model.depth=101.')
         block, stage_blocks = self.arch_settings[depth]
         self.depth = depth
         self.conv1 = nn.Conv2d(

@@ -91,11 +91,15 @@ class ShuffleUnit(nn.Module):
         if stride not in (1, 2) or out_channels % 2:
             raise MmdtrError(
                 f'ShuffleUnit needs stride 1 or 2 and even out_channels, '
-                f'got stride={stride}, out_channels={out_channels}.')
+                f'got stride={stride}, out_channels={out_channels}.',
+                hint='give stride 1 or 2 and an even out_channels (the '
+                'output is two halves of out_channels // 2).')
         if stride == 1 and in_channels != out_channels:
             raise MmdtrError(
                 f'ShuffleUnit with stride 1 keeps the channels, got '
-                f'{in_channels} -> {out_channels}.')
+                f'{in_channels} -> {out_channels}.',
+                hint='give in_channels == out_channels, or stride 2 to '
+                'change the channels.')
         self.stride = stride
         branch_channels = out_channels // 2
         if stride > 1:
@@ -165,7 +169,8 @@ class ShuffleNetV2(nn.Module):
         if widen_factor not in self.arch_settings:
             raise MmdtrError(
                 f'ShuffleNetV2 widen_factor must be one of '
-                f'{sorted(self.arch_settings)}, got {widen_factor!r}.')
+                f'{sorted(self.arch_settings)}, got {widen_factor!r}.',
+                hint='set model.widen_factor to one of those, e.g. 1.0.')
         *stage_channels, last_channels = self.arch_settings[widen_factor]
         stem_channels = 24
         self.stem = nn.Sequential(*conv_bn(in_channels, stem_channels, 3, 2))

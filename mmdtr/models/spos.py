@@ -119,15 +119,21 @@ class SPOSSupernet(BaseImageClassifier):
         if not choices or unknown or len(set(choices)) != len(choices):
             raise MmdtrError(
                 f'SPOSSupernet choices must be distinct names from '
-                f'{list(SPOS_CHOICES)}, got {list(choices)}.')
+                f'{list(SPOS_CHOICES)}, got {list(choices)}.',
+                hint='give at least one of those names, each once, e.g. '
+                "choices=['shuffle_3x3', 'shuffle_7x7'].")
         if len(stage_blocks) != len(stage_channels) or min(stage_blocks) < 1:
             raise MmdtrError(
                 'SPOSSupernet stage_blocks and stage_channels must have the '
                 f'same length and positive block counts, got {stage_blocks} '
-                f'and {stage_channels}.')
+                f'and {stage_channels}.',
+                hint='give one block count of 1 or more and one channel '
+                'count per stage, e.g. stage_blocks=(4, 4, 8, 4) with '
+                'stage_channels=(64, 160, 320, 640).')
         if not isinstance(seed, int) or seed < 0:
             raise MmdtrError(
-                f'SPOSSupernet seed must be a non-negative int, got {seed!r}.')
+                f'SPOSSupernet seed must be a non-negative int, got {seed!r}.',
+                hint='set model.seed to an int of 0 or more, e.g. seed=0.')
         self.choices = choices
         self.seed = seed
 
@@ -194,8 +200,12 @@ class SPOSSupernet(BaseImageClassifier):
     def _check_path(self, path: Tuple[str, ...]) -> None:
         num_layers = len(self.choice_layers)
         if len(path) != num_layers or any(c not in self.choices for c in path):
-            raise MmdtrError(f'an SPOS path needs {num_layers} names from '
-                             f'{list(self.choices)}, got {list(path)}.')
+            raise MmdtrError(
+                f'an SPOS path needs {num_layers} names from '
+                f'{list(self.choices)}, got {list(path)}.',
+                hint='give one choice name per layer of '
+                'model.choice_layers, e.g. model.sample_path(); or None to '
+                'go back to sampling.')
 
     def _activate(self, path: Tuple[str, ...]) -> None:
         for layer, choice in zip(self.choice_layers, path):

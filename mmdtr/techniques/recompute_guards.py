@@ -31,7 +31,16 @@ NORM_BUFFERS = ('running_mean', 'running_var', 'num_batches_tracked')
 
 
 def tracking_norms(module: nn.Module) -> List[_NormBase]:
-    """The normalization layers in ``module`` that update running stats."""
+    """The normalization layers in ``module`` that update running stats.
+
+    Args:
+        module (nn.Module): The module whose submodules (itself included)
+            are searched.
+
+    Returns:
+        list[_NormBase]: The norm layers in training mode that track
+        running statistics and have a ``running_mean``.
+    """
     return [
         m for m in module.modules() if isinstance(m, _NormBase) and m.training
         and m.track_running_stats and m.running_mean is not None
@@ -115,10 +124,24 @@ class TrainingModes(_PutBack):
 
     @staticmethod
     def read(module: nn.Module) -> bool:
+        """Read a module's ``training`` flag.
+
+        Args:
+            module (nn.Module): The module.
+
+        Returns:
+            bool: Its ``training`` flag.
+        """
         return module.training
 
     @staticmethod
     def write(module: nn.Module, training: bool) -> None:
+        """Set a module's ``training`` flag (on it alone, not its children).
+
+        Args:
+            module (nn.Module): The module.
+            training (bool): The flag to set.
+        """
         module.training = training
 
 
@@ -160,23 +183,53 @@ class GeneratorStates(_PutBack):
 
     @staticmethod
     def read(generator: torch.Generator) -> torch.Tensor:
+        """Read a generator's state.
+
+        Args:
+            generator (torch.Generator): The generator.
+
+        Returns:
+            Tensor: ``generator.get_state()``.
+        """
         return generator.get_state()
 
     @staticmethod
     def write(generator: torch.Generator, state: torch.Tensor) -> None:
+        """Set a generator's state.
+
+        Args:
+            generator (torch.Generator): The generator.
+            state (Tensor): A state from :meth:`read`.
+        """
         generator.set_state(state)
 
 
 def watch_versions(tensors) -> list:
     """``(weak reference, version)`` of each tensor among ``tensors`` that
     has a version counter. Weak: a strong reference held until backward
-    kept the module's inputs visible, so DTR could not evict them."""
+    kept the module's inputs visible, so DTR could not evict them.
+
+    Args:
+        tensors (Iterable): Any values; those that are tensors and not
+            inference tensors are watched.
+
+    Returns:
+        list[tuple]: ``(weakref.ref(tensor), tensor._version)`` pairs.
+    """
     return [(weakref.ref(t), t._version) for t in tensors
             if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def written_since(watched: list) -> Optional[torch.Tensor]:
     """A live tensor of ``watched`` written in place since, or ``None``.
+
+    Args:
+        watched (list): ``(weak reference, version)`` pairs from
+            :func:`watch_versions`.
+
+    Returns:
+        Tensor | None: The first tensor still alive whose version differs
+        from the recorded one, or None.
     """
     for ref, version in watched:
         t = ref()
@@ -267,20 +320,44 @@ class ParameterRecord:
         self.watched, self.generation = [], 0
 
     def update(self, module: Optional[nn.Module] = None) -> None:
+        """Record the current versions of the parameters.
+
+        Args:
+            module (nn.Module, optional): Watch its parameters anew. By
+                default the parameters already watched (those still alive)
+                are recorded again.
+        """
         tensors = module.parameters() if module is not None else (
             ref() for ref, _ in self.watched)
         self.watched = watch_versions(tensors)
 
     def note_forward(self, module: nn.Module) -> None:
         """At a forward's start: a write since the record is not the
-        module's own."""
+        module's own.
+
+        A parameter written since the record starts a new generation; the
+        record then watches ``module``'s parameters as they are.
+
+        Args:
+            module (nn.Module): The checkpointed module.
+        """
         if written_since(self.watched) is not None:
             self.generation += 1
         self.update(module)
 
     def written_since(self, generation: int) -> Optional[torch.Tensor]:
         """A parameter written since the record, or since the call of
-        ``generation`` (any one of them: the message names its shape)."""
+        ``generation`` (any one of them: the message names its shape).
+
+        Args:
+            generation (int): The record's generation when the call's
+                forward ended.
+
+        Returns:
+            Tensor | None: A parameter written in place since the record; if
+            none is but ``generation`` is not the current one, the first
+            watched parameter (None if it is gone); else None.
+        """
         written = written_since(self.watched)
         if written is None and generation != self.generation:
             ref = next(iter(self.watched), (lambda: None, 0))[0]
@@ -293,7 +370,15 @@ _PARAMETER_VERSIONS = weakref.WeakKeyDictionary()
 
 
 def parameter_record(module: nn.Module) -> ParameterRecord:
-    """The :class:`ParameterRecord` of ``module``'s calls."""
+    """The :class:`ParameterRecord` of ``module``'s calls.
+
+    Args:
+        module (nn.Module): The checkpointed module.
+
+    Returns:
+        ParameterRecord: The one kept for ``module`` (weakly keyed), made
+        on first use.
+    """
     record = _PARAMETER_VERSIONS.get(module)
     if record is None:
         record = _PARAMETER_VERSIONS[module] = ParameterRecord()
@@ -303,7 +388,17 @@ def parameter_record(module: nn.Module) -> ParameterRecord:
 def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
     """``(owner, name, buffer, version)`` of each buffer in ``module``
     that the recompute would write again: all but the running statistics
-    of ``norms`` (inference tensors have no version to read)."""
+    of ``norms`` (inference tensors have no version to read).
+
+    Args:
+        module (nn.Module): The checkpointed module; its buffers and its
+            descendants' are watched.
+        norms (list[_NormBase]): The norm layers whose
+            :data:`NORM_BUFFERS` :class:`RunningStatsGuard` guards.
+
+    Returns:
+        list[tuple]: ``(owner, name, buffer, version)`` per watched buffer.
+    """
     guarded = {id(norm) for norm in norms}
     watched = []
     for owner in module.modules():
@@ -317,7 +412,14 @@ def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
 
 def written_buffer(watched: list) -> Optional[str]:
     """``'Owner.name'`` of a watched buffer the forward wrote in place or
-    replaced since :func:`watch_buffers`, or ``None``."""
+    replaced since :func:`watch_buffers`, or ``None``.
+
+    Args:
+        watched (list): The entries of :func:`watch_buffers`.
+
+    Returns:
+        str | None: The first such buffer's ``'Owner.name'``, or None.
+    """
     for owner, name, buffer, version in watched:
         if owner._buffers.get(name) is not buffer or \
                 buffer._version != version:

@@ -217,6 +217,20 @@ _SAVE_POLICIES: Dict[Tuple[str, ...], _SavePolicy] = {}
 
 
 def save_policy(names: Tuple[str, ...]) -> _SavePolicy:
+    """The SAC policy function that keeps the outputs of ``names``' ops.
+
+    Built once per ``names`` and cached.
+
+    Args:
+        names (tuple[str]): Canonical op names from
+            :func:`normalize_policy` (``'aten.<op>'`` or
+            ``'aten.<op>.<overload>'``); an op without an overload stands
+            for every overload of it that a policy may keep.
+
+    Returns:
+        _SavePolicy: The policy function for
+        :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+    """
     policy = _SAVE_POLICIES.get(names)
     if policy is None:
         overloads = []
@@ -233,7 +247,16 @@ def written_kept_output(forward_contexts: list) -> Optional[str]:
     forward wrote in place, if any: PyTorch's selective checkpointing
     raises on it in backward. Read from its caching mode's store (each
     kept tensor with its version); ``None`` where that store has another
-    shape (another torch): backward then raises PyTorch's own error."""
+    shape (another torch): backward then raises PyTorch's own error.
+
+    Args:
+        forward_contexts (list): The forward contexts of
+            :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`
+            to look through.
+
+    Returns:
+        str | None: The op (the key of the store's entry), or None.
+    """
     for fwd in forward_contexts:
         store = getattr(fwd, 'storage', None)
         if not isinstance(store, dict):

@@ -189,7 +189,9 @@ def test_quick_headroom_is_checked_once_the_capacity_is_known(
 def test_bad_argument_is_one_line(tmp_path, benchmark_cli):
     proc = benchmark_cli('sweep', '--steps', '0', '--work-dir', str(tmp_path))
     assert proc.returncode == 1
-    assert proc.stderr == 'MmdtrError: mmdtr: --steps 0 must be at least 1.\n'
+    assert proc.stderr == ('MmdtrError: mmdtr: --steps 0 must be at least 1. '
+                           'Hint: give --steps 1 or more, or leave it out '
+                           'for its default.\n')
 
 
 def test_work_dir_under_a_file_is_refused(tool, tmp_path, canned):
