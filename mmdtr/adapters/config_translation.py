@@ -357,8 +357,8 @@ def _check_hook_arguments(custom_hooks: list) -> None:
         try:
             cls(**kwargs)
         except MmdtrError as e:
-            raise MmdtrError(f'custom_hooks[{i}]={hook!r}: ' +
-                             str(e)[len('mmdtr: '):]) from e
+            raise MmdtrError(
+                f'custom_hooks[{i}]={hook!r}: {e.message}', hint=e.hint) from e
         except TypeError as e:  # a required argument missing
             raise MmdtrError(
                 f'custom_hooks[{i}]={hook!r} is not accepted: {e}.',

@@ -47,15 +47,6 @@ SCALARS = {
 }
 
 
-def _message_of(error: MmdtrError) -> str:
-    text = str(error)
-    if text.startswith('mmdtr: '):
-        text = text[len('mmdtr: '):]
-    if error.hint and text.endswith(f' Hint: {error.hint}'):
-        text = text[:-len(f' Hint: {error.hint}')]
-    return text
-
-
 def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
     """Validate DTR settings from a config with the engine's own checks.
 
@@ -102,7 +93,7 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
         DTR(device=device, **settings)
     except MmdtrError as e:
         raise MmdtrError(
-            f'{key}={settings!r} is not accepted: {_message_of(e)}',
+            f'{key}={settings!r} is not accepted: {e.message}',
             hint=e.hint) from None
     return settings
 
