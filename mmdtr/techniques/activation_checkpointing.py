@@ -47,9 +47,9 @@ from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (GeneratorStates, RecomputeContext,
-                               RunningStatsGuard, TrainingModes,
-                               parameter_record, tracking_norms, watch_buffers,
-                               watch_versions, written_buffer, written_since)
+                               RunningStatsGuard, TrainingModes, state_record,
+                               tracking_norms, watch_buffers, watch_versions,
+                               written_buffer, written_since)
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 
@@ -171,8 +171,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     leaves = tree_leaves((args, kwargs))
     inputs = watch_versions(leaves)
     # what the recompute reads, as the forward leaves it (filled after it)
-    watched_inputs, params, generation = [], parameter_record(self), [0]
-    params.note_forward(self)
+    watched_inputs, params, generation = [], state_record(self), [0]
+    params.note_forward(self, norms)
     context_fn = functools.partial(_context_fn, norms,
                                    GeneratorStates(self, leaves),
                                    TrainingModes(self), policy,
@@ -214,7 +214,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
     watched_inputs += inputs
-    params.update(self)
+    params.update(self, norms)
     generation[0] = params.generation
     written = written_buffer(buffers)
     if written is not None:

@@ -18,7 +18,7 @@ would recompute (:class:`RecomputeContext`).
 import itertools
 import weakref
 from contextlib import ExitStack
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -241,8 +241,8 @@ def written_since(watched: list) -> Optional[torch.Tensor]:
 class RecomputeContext:
     """The running-stats guard, the module's generators' states and, if
     selective, SAC's recompute mode;
-    refuses to recompute when a parameter or input the forward read was
-    written since.
+    refuses to recompute when a parameter, buffer or input the forward
+    read was written since.
 
     Args:
         guard (RunningStatsGuard): The guard of the module's norm layers.
@@ -254,8 +254,8 @@ class RecomputeContext:
             null context.
         inputs (list): ``(tensor, version)`` of the call's tensor inputs
             as its forward left them (:func:`watch_versions`).
-        params (ParameterRecord): The module's parameter versions, shared
-            by its calls (:func:`parameter_record`).
+        params (StateRecord): The versions of the module's parameters and
+            buffers, shared by its calls (:func:`state_record`).
         generation (list): One element, the record's generation when this
             call's forward ended (set then).
         owner (str): The module's class name, for the message.
@@ -263,7 +263,7 @@ class RecomputeContext:
 
     def __init__(self, guard: RunningStatsGuard, generators: GeneratorStates,
                  modes: TrainingModes, decisions, sac_context, inputs: list,
-                 params: 'ParameterRecord', generation: list, owner: str):
+                 params: 'StateRecord', generation: list, owner: str):
         self.guard, self.generators, self.modes = guard, generators, modes
         self.decisions = decisions
         self.sac_context = sac_context
@@ -279,15 +279,18 @@ class RecomputeContext:
             # parameter read through .detach() came first, and the
             # recompute silently read the new values
             raise MmdtrError(
-                'activation_checkpointing: a parameter or input (shape '
-                f'{tuple(written.shape)}) of a checkpointed {self.owner} was '
-                'written in place between its forward and its recomputation '
-                'in backward (by InplaceOptimWrapper(step_in_backward=True) '
-                'stepping a parameter whose gradient was complete before, as '
-                'one read through .detach(), or by an in-place op); the '
-                'recomputation would read the new values.',
+                'activation_checkpointing: a parameter, buffer or input '
+                f'(shape {tuple(written.shape)}) of a checkpointed '
+                f'{self.owner} was written in place between its forward and '
+                'its recomputation in backward (by '
+                'InplaceOptimWrapper(step_in_backward=True) stepping a '
+                'parameter whose gradient was complete before, as one read '
+                'through .detach(), or by an in-place op, such as a frozen '
+                "norm's statistics or a buffer set between forward and "
+                'backward); the recomputation would read the new values.',
                 hint='leave that module unchecked, use '
-                'step_in_backward=False, or write out of place.')
+                'step_in_backward=False, or write after backward or out of '
+                'place.')
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
             stack.enter_context(self.modes)
@@ -304,9 +307,17 @@ class RecomputeContext:
         self.params.update()
 
 
-class ParameterRecord:
-    """The versions of a checkpointed module's parameters as its latest
-    forward or recompute left them, shared by its calls.
+class StateRecord:
+    """The versions of a checkpointed module's parameters, and of the
+    buffers its recompute reads, as its latest forward or recompute left
+    them, shared by its calls.
+
+    The buffers are all but the running statistics of the norm layers that
+    update them (:func:`tracking_norms`: their recompute runs on scratch
+    copies and reads batch statistics). A buffer written between the
+    forward and backward (a frozen BN's statistics recalibrated, a shift
+    set by a hook) was read live by the recompute: other gradients, silently
+    (found by an adversarial search).
 
     Its own writes (``Embedding(max_norm=...)`` renormalizes its weight in
     each forward and recompute) move the record along; a write by anything
@@ -319,34 +330,52 @@ class ParameterRecord:
     def __init__(self):
         self.watched, self.generation = [], 0
 
-    def update(self, module: Optional[nn.Module] = None) -> None:
-        """Record the current versions of the parameters.
+    def update(
+        self,
+        module: Optional[nn.Module] = None,
+        norms: Sequence[_NormBase] = ()
+    ) -> None:
+        """Record the current versions.
 
         Args:
-            module (nn.Module, optional): Watch its parameters anew. By
-                default the parameters already watched (those still alive)
-                are recorded again.
+            module (nn.Module, optional): Watch its parameters and buffers
+                anew. By default the tensors already watched (those still
+                alive) are recorded again.
+            norms (Sequence[_NormBase]): With ``module``: the norm layers
+                whose running statistics are not watched.
         """
-        tensors = module.parameters() if module is not None else (
-            ref() for ref, _ in self.watched)
+        if module is None:
+            tensors = (ref() for ref, _ in self.watched)
+        else:
+            skipped = {
+                id(getattr(norm, name))
+                for norm in norms
+                for name in NORM_BUFFERS
+            }
+            tensors = itertools.chain(module.parameters(),
+                                      (b for b in module.buffers()
+                                       if id(b) not in skipped))
         self.watched = watch_versions(tensors)
 
-    def note_forward(self, module: nn.Module) -> None:
+    def note_forward(self, module: nn.Module,
+                     norms: Sequence[_NormBase]) -> None:
         """At a forward's start: a write since the record is not the
         module's own.
 
-        A parameter written since the record starts a new generation; the
-        record then watches ``module``'s parameters as they are.
+        A tensor written since the record starts a new generation; the
+        record then watches ``module``'s tensors as they are.
 
         Args:
             module (nn.Module): The checkpointed module.
+            norms (Sequence[_NormBase]): Its norm layers that update
+                running statistics (:func:`tracking_norms`).
         """
         if written_since(self.watched) is not None:
             self.generation += 1
-        self.update(module)
+        self.update(module, norms)
 
     def written_since(self, generation: int) -> Optional[torch.Tensor]:
-        """A parameter written since the record, or since the call of
+        """A watched tensor written since the record, or since the call of
         ``generation`` (any one of them: the message names its shape).
 
         Args:
@@ -354,9 +383,9 @@ class ParameterRecord:
                 forward ended.
 
         Returns:
-            Tensor | None: A parameter written in place since the record; if
+            Tensor | None: A tensor written in place since the record; if
             none is but ``generation`` is not the current one, the first
-            watched parameter (None if it is gone); else None.
+            watched tensor (None if it is gone); else None.
         """
         written = written_since(self.watched)
         if written is None and generation != self.generation:
@@ -365,23 +394,23 @@ class ParameterRecord:
         return written
 
 
-#: module -> its :class:`ParameterRecord`
-_PARAMETER_VERSIONS = weakref.WeakKeyDictionary()
+#: module -> its :class:`StateRecord`
+_STATE_VERSIONS = weakref.WeakKeyDictionary()
 
 
-def parameter_record(module: nn.Module) -> ParameterRecord:
-    """The :class:`ParameterRecord` of ``module``'s calls.
+def state_record(module: nn.Module) -> StateRecord:
+    """The :class:`StateRecord` of ``module``'s calls.
 
     Args:
         module (nn.Module): The checkpointed module.
 
     Returns:
-        ParameterRecord: The one kept for ``module`` (weakly keyed), made
-        on first use.
+        StateRecord: The one kept for ``module`` (weakly keyed), made on
+        first use.
     """
-    record = _PARAMETER_VERSIONS.get(module)
+    record = _STATE_VERSIONS.get(module)
     if record is None:
-        record = _PARAMETER_VERSIONS[module] = ParameterRecord()
+        record = _STATE_VERSIONS[module] = StateRecord()
     return record
 
 
