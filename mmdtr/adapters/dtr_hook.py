@@ -193,7 +193,7 @@ class DTRHook(Hook):
             policy=policy)
         dtr_settings(self.settings, 'DTRHook')
         self.step: Optional[DTRTrainStep] = None
-        self._attached_to = self._own_train_step = None
+        self._attached_to = self._own_train_step = self._wrapper = None
 
     @property
     def stats(self) -> Optional[DTRStats]:
@@ -237,7 +237,8 @@ class DTRHook(Hook):
             self.step = DTRTrainStep(self.settings, device, runner.message_hub)
             # a train_step set on the instance is the user's: put it back
             self._own_train_step = vars(model).get('train_step')
-            model.train_step = functools.partial(self.step, model.train_step)
+            self._wrapper = functools.partial(self.step, model.train_step)
+            model.train_step = self._wrapper
             self._attached_to = model
             where = f'{type(model).__name__}.train_step (by DTRHook)'
         runner.logger.info(
@@ -251,9 +252,20 @@ class DTRHook(Hook):
 
     def _detach(self) -> None:
         model, self._attached_to = self._attached_to, None
+        wrapper, self._wrapper = self._wrapper, None
         if isinstance(model, DTRDistributedDataParallel):
             model.disable_dtr()
-        elif model is not None and self._own_train_step is not None:
+            return
+        if wrapper is not None:
+            # inert wherever it is left: a hook that wrapped train_step
+            # after this one and puts its saved one back in its after_train
+            # (called after this one's) restored this wrapper, and the
+            # model trained under this engine ever after (found by an
+            # adversarial search)
+            wrapper.func.enabled = False
+        if model is None or vars(model).get('train_step') is not wrapper:
+            return  # wrapped again since: the other wrapper's to undo
+        if self._own_train_step is not None:
             model.train_step = self._own_train_step
-        elif model is not None:
+        else:
             del model.train_step  # the class's own again

@@ -141,9 +141,15 @@ class DTRTrainStep:
         self.message_hub = message_hub
         #: DTRStats of the latest iteration that ended without an error
         self.stats: Optional[DTRStats] = None
+        #: False once detached (DTRHook.after_train): a reference left
+        #: behind (a hook that saved the wrapped train_step and put it back)
+        #: then runs train_step as it is, with no engine and no statistics
+        self.enabled = True
 
     def __call__(self, train_step: Callable, data, optim_wrapper):
         """Run ``train_step(data, optim_wrapper)`` under a fresh engine."""
+        if not self.enabled:
+            return train_step(data, optim_wrapper)
         if not isinstance(optim_wrapper, OptimWrapper):
             raise MmdtrError(
                 f'DTR runs train_step(data, optim_wrapper) with an '

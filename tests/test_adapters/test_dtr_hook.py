@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.evaluator import BaseMetric
+from mmengine.hooks import Hook
 from mmengine.model import BaseModel
-from mmengine.registry import METRICS, MODELS
+from mmengine.registry import HOOKS, METRICS, MODELS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 
 from mmdtr.adapters.dtr_hook import DTRHook
@@ -194,6 +195,45 @@ def test_exception_in_iteration_leaves_nothing(tmp_path, where, make_cfg):
     runner.train()
     assert runner.iter == 2 and seen[before:] == [True]
     assert 'train_step' not in vars(runner.model)
+
+
+@HOOKS.register_module(force=True)
+class WrapsTrainStepHook(Hook):
+    """A timing hook: wraps ``train_step`` in ``before_train`` and puts the
+    saved one back in ``after_train``, called after DTRHook's."""
+
+    priority = 'LOW'
+
+    def before_train(self, runner):
+        self.saved = saved = runner.model.train_step
+        runner.model.train_step = lambda *a, **k: saved(*a, **k)
+
+    def after_train(self, runner):
+        runner.model.train_step = self.saved
+
+
+def test_a_train_step_wrapped_after_dtr_is_left_inert(tmp_path, make_cfg):
+    # the other hook put DTR's wrapper back after DTRHook detached it, and
+    # a second runner without DTR trained the model under the first one's
+    # engine, publishing into its MessageHub (found by an adversarial
+    # search)
+    first = MMDTRRunner.from_cfg(
+        make_cfg(
+            tmp_path / 'first',
+            dtr=DTR_CFG,
+            custom_hooks=[dict(type='WrapsTrainStepHook')]))
+    first.train()
+    model = first.model
+    assert model.dtr_seen['loss'] == [True] * 3
+    published = first.message_hub.get_scalar('train/dtr_evictions').data
+    published = len(published[0])
+    second = MMDTRRunner.from_cfg(make_cfg(tmp_path / 'second'))
+    second.model = model  # the same model trained again, without DTR
+    second.train()
+    assert model.dtr_seen['loss'][3:] == [False] * 3
+    assert len(first.message_hub.get_scalar(
+        'train/dtr_evictions').data[0]) == published
+    assert_thread_clean()
 
 
 def test_one_engine_per_thread(tmp_path, make_cfg):
