@@ -20,7 +20,6 @@ import copy
 import difflib
 import importlib
 import inspect
-import types
 from typing import Callable, Dict, List
 
 from mmengine.config import Config
@@ -29,6 +28,7 @@ from mmengine.runner import get_priority
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
+from .near_miss_keys import refuse_near_misses
 
 #: key name -> translator ``fn(value) -> hook cfg dict``
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
@@ -112,7 +112,7 @@ def translate_memory_keys(cfg: Config) -> Config:
             misspelt memory key, or a registered :func:`config_check`
             refuses a combination; nothing is changed then.
     """
-    _refuse_near_misses(cfg)
+    refuse_near_misses(cfg, MEMORY_KEY_TRANSLATORS)
     hooks = []
     custom_hooks = _custom_hooks(
         cfg.get('custom_hooks', None), cfg.get('default_scope', None))
@@ -363,31 +363,6 @@ def _check_hook_arguments(custom_hooks: list) -> None:
             raise MmdtrError(
                 f'custom_hooks[{i}]={hook!r} is not accepted: {e}.',
                 hint=f'{hook_name(hook)} takes {accepted}.') from e
-
-
-def _refuse_near_misses(cfg) -> None:
-    """A top-level key that looks like a misspelt mmdtr key, while the key
-    itself is absent (``DTR``, ``dtr_cfg``, ``activation_checkpoint``),
-    would be ignored silently: refused."""
-    for key in cfg.keys():
-        if key in MEMORY_KEY_TRANSLATORS or key.startswith('_'):
-            continue
-        lowered, value = key.lower(), cfg[key]
-        if isinstance(value, (type, types.ModuleType, types.FunctionType)) \
-                or type(value).__name__.startswith('Lazy'):
-            continue  # an imported name (`from mmdet.models import DETR`)
-        for name in MEMORY_KEY_TRANSLATORS:
-            if name in cfg:
-                continue
-            close = len(name) > 4 and difflib.SequenceMatcher(
-                None, lowered, name).ratio() >= 0.8
-            if lowered == name or lowered.startswith(name + '_') or close:
-                raise MmdtrError(
-                    f'{key}={cfg[key]!r}: is it the {name!r} key? mmdtr '
-                    f'reads {sorted(MEMORY_KEY_TRANSLATORS)} and would '
-                    'ignore it.',
-                    hint=f'rename it to {name!r}, or, if it is not meant '
-                    'for mmdtr, to a name that does not resemble it.')
 
 
 def hook_name(hook_cfg) -> str:

@@ -75,6 +75,18 @@ WRAPPER = dict(
          "is it the 'activation_checkpointing' key"),
         (dict(efficient_conv_bn=['backbone']),
          "is it the 'efficient_conv_bn_eval' key"),
+        # other names users try, and settings given at the top level: each
+        # trained silently without the feature (found by an adversarial
+        # search)
+        (dict(use_dtr=True), "is it the 'dtr' key"),
+        (dict(gradient_checkpointing=True),
+         "is it the 'activation_checkpointing' key"),
+        (dict(eviction_threshold='40MB'), "eviction_threshold='40MB' is a "
+         'top-level key: it is read only as dtr.eviction_threshold'),
+        (dict(dtr=dict(eviction_threshold='1GB'), eviction_threshold='2GB'),
+         'read only as dtr.eviction_threshold'),
+        (dict(accumulative_counts=4),
+         'read only as optim_wrapper.accumulative_counts'),
         # the cases below ended in MMEngine's tracebacks at the build (found
         # by an adversarial search): a dict without its brackets was read
         # as the list of its keys
@@ -126,7 +138,9 @@ WRAPPER = dict(
     ids=[
         'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
         'key_and_wrapper', 'wrapper_alone', 'upper_case', 'suffix',
-        'checkpoint_typo', 'conv_bn_typo', 'hooks_a_dict', 'hooks_a_string',
+        'checkpoint_typo', 'conv_bn_typo', 'alias_dtr', 'alias_checkpointing',
+        'top_level_threshold', 'top_level_other_threshold',
+        'top_level_accumulation', 'hooks_a_dict', 'hooks_a_string',
         'hook_a_string', 'hook_without_type', 'hook_type_typo',
         'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
         'hook_priority_name', 'hook_priority_range', 'wrapper_bad_size',
@@ -159,6 +173,18 @@ def test_legitimate_configs_are_not_refused(make_cfg, tmp_path):
         detr=dict(x=1),
         custom_hooks=hooks)
     assert translate_memory_keys(cfg).custom_hooks == hooks
+    # a variable its section reads (one of an OptimWrapperDict's too)
+    sgd = dict(type='SGD', lr=0.1)
+    cfg = make_cfg(
+        tmp_path,
+        eviction_threshold='1GB',
+        dtr=dict(eviction_threshold='1GB'),
+        accumulative_counts=2,
+        optim_wrapper=dict(
+            constructor='MultiOptimWrapperConstructor',
+            g=dict(optimizer=sgd, accumulative_counts=2),
+            d=dict(optimizer=sgd)))
+    translate_memory_keys(cfg)
 
 
 @pytest.mark.parametrize('default_scope', [None, 'mmengine', 'mmdet'])
