@@ -48,8 +48,9 @@ _local = threading.local()  # engines are per thread
 def enable() -> DTR:
     """Turn DTR on for this thread with the module-level settings.
 
-    The settings are read here: changing one while DTR is enabled takes
-    effect at the next ``enable()`` (MegEngine applies them at once).
+    The settings are read here: changing one while DTR is enabled on this
+    thread is refused (MegEngine applies them at once); disable, set, and
+    enable again.
 
     Returns:
         DTR: The active engine (its ``stats`` are live).
@@ -118,6 +119,15 @@ class _DTRModule(types.ModuleType):
     def __setattr__(self, name, value):
         if name in _SWITCHES:
             _SWITCHES[name](value, f'mmdtr.dtr.{name}')
+            if is_enabled() and value != getattr(self, name):
+                # it took effect at the next enable() only: a change that
+                # seemed applied was not (found by an adversarial search)
+                raise MmdtrError(
+                    f'mmdtr.dtr.{name}={value!r}: DTR is enabled on this '
+                    'thread, and its engine read the switches at enable() '
+                    f'({name}={getattr(self, name)!r}).',
+                    'Call mmdtr.dtr.disable(), set the switch, then '
+                    'mmdtr.dtr.enable() again.')
         elif not (name in vars(self) or name.startswith('__')):
             _refuse_unknown(name)
         super().__setattr__(name, value)

@@ -14,6 +14,7 @@ import torch
 
 import mmdtr.dtr
 from mmdtr import dtr
+from mmdtr.core.sizes import parse_size
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -262,6 +263,26 @@ def test_bad_switch_values_are_refused_at_assignment(name, value):
     with pytest.raises(MmdtrError, match=f'mmdtr.dtr.{name}='):
         setattr(dtr, name, value)
     assert getattr(dtr, name) == before
+
+
+def test_switches_cannot_change_while_enabled(switches):
+    # the engine had read them at enable(): a change seemed applied and was
+    # not (found by an adversarial search)
+    engine = dtr.enable()
+    try:
+        threshold = dtr.eviction_threshold
+        dtr.eviction_threshold = threshold  # the same value: nothing to do
+        with pytest.raises(MmdtrError, match='DTR is enabled on this'):
+            dtr.eviction_threshold = '1MB'
+        with pytest.raises(MmdtrError, match='disable'):
+            dtr.enable_sqrt_sampling = not dtr.enable_sqrt_sampling
+        assert dtr.eviction_threshold == threshold
+        assert engine.eviction_threshold == parse_size(threshold)
+    finally:
+        dtr.disable()
+    dtr.eviction_threshold = '1MB'  # disabled: it applies to the next
+    assert dtr.enable().eviction_threshold == 2**20
+    dtr.disable()
 
 
 def test_switches_cannot_be_deleted():
