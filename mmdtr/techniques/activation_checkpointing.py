@@ -55,6 +55,16 @@ from .selective_policy import (normalize_policy, save_policy,
 
 _ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
 _POLICY_ATTR = '_mmdtr_ckpt_policy'
+_NAME_ATTR = '_mmdtr_ckpt_name'
+
+
+def _described(module: nn.Module) -> str:
+    """``"ReLU 'backbone.relu'"``: the class and the name it was selected
+    by, for messages (a class name alone did not say which of a glob's
+    modules; found by an adversarial search)."""
+    name = getattr(module, _NAME_ATTR, None)
+    kind = type(module).__name__
+    return kind if name is None else f'{kind} {name!r}'
 
 
 def _kept_output_written(owner: str, op: str, where: str) -> MmdtrError:
@@ -165,7 +175,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     policy = getattr(self, _POLICY_ATTR, None)
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
-    norms = tracking_norms(self)
+    norms, owner = tracking_norms(self), _described(self)
     forward_contexts = []
     # tensors inside lists, tuples and dicts too (a neck's feature list)
     leaves = tree_leaves((args, kwargs))
@@ -176,9 +186,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     context_fn = functools.partial(_context_fn, norms,
                                    GeneratorStates(self, leaves),
                                    TrainingModes(self), policy,
-                                   forward_contexts,
-                                   type(self).__name__, watched_inputs, params,
-                                   generation)
+                                   forward_contexts, owner, watched_inputs,
+                                   params, generation)
     buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
@@ -200,7 +209,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
         # the recompute would run on the written input: autograd's in-place
         # error in backward, or, if it passes, other values
         raise MmdtrError(
-            f'activation_checkpointing: a checkpointed {type(self).__name__}'
+            f'activation_checkpointing: a checkpointed {owner}'
             ' writes its input in place (e.g. ReLU(inplace=True)); its '
             'recomputation in backward would read the written values.',
             hint='select the block that contains it instead (a glob such '
@@ -208,8 +217,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             'out of place.')
     kept = written_kept_output(forward_contexts)
     if kept is not None:
-        raise _kept_output_written(
-            type(self).__name__, kept, 'later in its forward')
+        raise _kept_output_written(owner, kept, 'later in its forward')
     # parameters as the forward left them (Embedding(max_norm=...) writes
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
@@ -219,7 +227,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(
-            f'activation_checkpointing: a checkpointed {type(self).__name__}'
+            f'activation_checkpointing: a checkpointed {owner}'
             f' updates the buffer {written} in its forward (an EMA, a '
             'counter); its recomputation in backward would read the updated '
             'value and update it a second time.',
@@ -351,6 +359,7 @@ def apply_activation_checkpointing(model: nn.Module,
                 setattr(module, _ORIG_FORWARD, module.__dict__['forward'])
             module.forward = checkpointed_forward.__get__(module)
         setattr(module, _POLICY_ATTR, ops)
+        setattr(module, _NAME_ATTR, name)
     if ops:
         save_policy(ops)  # resolve now, outside any torch.compile trace
     return names

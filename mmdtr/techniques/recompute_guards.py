@@ -258,7 +258,7 @@ class RecomputeContext:
             buffers, shared by its calls (:func:`state_record`).
         generation (list): One element, the record's generation when this
             call's forward ended (set then).
-        owner (str): The module's class name, for the message.
+        owner (str): The module's class and name, for the message.
     """
 
     def __init__(self, guard: RunningStatsGuard, generators: GeneratorStates,
