@@ -17,6 +17,7 @@ Either way there is one engine per process, entered for the forward and
 backward of each training iteration only (for its whole ``train_step`` with
 several optimizers; see :class:`DTRTrainStep`).
 """
+import difflib
 import functools
 from typing import Optional, Union
 
@@ -100,15 +101,27 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
         "DTRDistributedDataParallel', dtr=dict(eviction_threshold="
         "'3GB')); on the command line set its keys: "
         'model_wrapper_cfg.type=...')
+    wrapper_cls = None
     if isinstance(wrapper, dict):
         check_scoped_type('model_wrapper_cfg', wrapper, MODEL_WRAPPERS,
                           cfg.get('default_scope', None))
+        wrapper_cls = _wrapper_class(wrapper.get('type', None))
     by_wrapper = wrapper.get('dtr', None) if isinstance(wrapper,
                                                         dict) else None
     compiled = cfg.get('compile', None)
     if compiled not in (None, False) and (hooks or by_wrapper is not None):
         raise _compile_refused(compiled)
     if by_wrapper is None:
+        if not hooks and cfg.get('launcher', 'none') != 'none' and \
+                _is_dtr_wrapper(wrapper_cls):
+            # it trained as plain DDP, silently (found by an adversarial
+            # search)
+            raise MmdtrError(
+                f"model_wrapper_cfg.type={wrapper['type']!r} without DTR "
+                'settings: neither model_wrapper_cfg.dtr nor the dtr key is '
+                'given, so DTR would be off.',
+                hint='add the dtr key (or model_wrapper_cfg.dtr), or use '
+                "MMEngine's MMDistributedDataParallel.")
         return
     if hooks:
         raise MmdtrError(
@@ -124,15 +137,11 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
             'a launcher.')
     dtr_settings(by_wrapper, 'model_wrapper_cfg.dtr')  # its values, now
     wrapper_type = wrapper.get('type', None)
-    cls = wrapper_type
-    if isinstance(wrapper_type, str):
-        cls = MODEL_WRAPPERS.get(wrapper_type)
-    if cls is None and wrapper_type is not None and '.' in str(
+    if wrapper_cls is None and wrapper_type is not None and '.' in str(
             wrapper_type) and not str(wrapper_type).startswith(
                 ('mmdtr.', 'mmengine.')):
         return  # another project's wrapper, maybe not imported yet
-    if not (isinstance(cls, type)
-            and issubclass(cls, DTRDistributedDataParallel)):
+    if not _is_dtr_wrapper(wrapper_cls):
         raise MmdtrError(
             f'model_wrapper_cfg.dtr={by_wrapper!r} on model_wrapper_cfg.type='
             f'{wrapper_type!r}: only DTRDistributedDataParallel (and its '
@@ -140,6 +149,37 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
             'the runner is built.',
             hint="set model_wrapper_cfg.type='mmdtr.DTRDistributedDataParallel"
             "', or use the top-level dtr key.")
+
+
+def _wrapper_class(wrapper_type) -> Optional[type]:
+    """The class ``model_wrapper_cfg.type`` names, or None if unknown.
+
+    Raises:
+        MmdtrError: If it names mmdtr's scope (``'mmdtr.X'``) and mmdtr has
+            no such wrapper: a typo, accepted before and failing in every
+            rank.
+    """
+    if not isinstance(wrapper_type, str):
+        return wrapper_type
+    cls = MODEL_WRAPPERS.get(wrapper_type)
+    if cls is None and wrapper_type.startswith('mmdtr.'):
+        ours = [
+            name for name, klass in MODEL_WRAPPERS.module_dict.items()
+            if klass.__module__.startswith('mmdtr.')
+        ]
+        close = difflib.get_close_matches(
+            wrapper_type.split('.', 1)[1], ours, n=1)
+        raise MmdtrError(
+            f'model_wrapper_cfg.type={wrapper_type!r} is not a wrapper of '
+            f"mmdtr's; registered: {sorted(ours)}" +
+            (f', closest match: {close[0]!r}.' if close else '.'),
+            hint="e.g. type='mmdtr.DTRDistributedDataParallel'.")
+    return cls
+
+
+def _is_dtr_wrapper(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls,
+                                                DTRDistributedDataParallel)
 
 
 @HOOKS.register_module()

@@ -134,6 +134,15 @@ WRAPPER = dict(
             launcher='pytorch'), 'only DTRDistributedDataParallel'),
         (dict(model_wrapper_cfg=dict(dtr=WRAPPER['dtr']),
               launcher='pytorch'), "type=None: only DTRDistributed"),
+        # accepted, then plain DDP or a failure in every rank (found by an
+        # adversarial search)
+        (dict(
+            model_wrapper_cfg=dict(type=WRAPPER['type']),
+            launcher='pytorch'), 'without DTR settings'),
+        (dict(
+            model_wrapper_cfg=dict(
+                WRAPPER, type='mmdtr.DTRDistributedDataParalel'),
+            launcher='pytorch'), "closest match: 'DTRDistributedDataParallel"),
     ],
     ids=[
         'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
@@ -145,7 +154,7 @@ WRAPPER = dict(
         'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
         'hook_priority_name', 'hook_priority_range', 'wrapper_bad_size',
         'wrapper_sub_key_typo', 'wrapper_not_a_dict', 'wrapper_without_dtr',
-        'wrapper_without_type'
+        'wrapper_without_type', 'wrapper_without_settings', 'wrapper_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):

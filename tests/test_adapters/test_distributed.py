@@ -108,8 +108,10 @@ def _toy_dist_runner(tmp_path, **keys):
         (dict(find_unused_parameters=True), MMDTRDistributedDataParallel),
         (dict(type='MMDistributedDataParallel',
               find_unused_parameters=True), MMDTRDistributedDataParallel),
-        (dict(type='DTRDistributedDataParallel',
-              find_unused_parameters=True), DTRDistributedDataParallel),
+        (dict(
+            type='DTRDistributedDataParallel',
+            dtr=dict(eviction_threshold='1GB'),
+            find_unused_parameters=True), DTRDistributedDataParallel),
     ],
     ids=['as_given', 'no_type', 'mmengine_ddp', 'plain_mmdtr_name'])
 def test_model_wrapper_cfg_is_built_on_cpu(single_rank_env, tmp_path, wrapper,
