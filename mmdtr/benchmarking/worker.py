@@ -43,7 +43,7 @@ from .workloads import (NO_EVICTION, DispatchFloor, Workload, apply_technique,
 
 #: Starts the last line of a run's log, followed by the result as JSON.
 RESULT_PREFIX = 'mmdtr-benchmark result: '
-_OOM = getattr(torch, 'OutOfMemoryError', torch.cuda.OutOfMemoryError)
+_OOM = torch.cuda.OutOfMemoryError  # torch.OutOfMemoryError since 2.5
 
 
 def make_spec(config: str,

@@ -20,7 +20,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def tensors_bytes(values) -> int:
-    """Bytes addressed by the tensors among ``values`` (one list level)."""
+    """Bytes addressed by the tensors among ``values``, in lists and tuples
+    nested at any depth; anything else counts nothing."""
     total = 0
     for a in values:
         if isinstance(a, torch.Tensor):

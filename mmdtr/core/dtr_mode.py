@@ -63,7 +63,9 @@ class DTRStats:
         remat_seconds (float): Host time spent rebuilding saved tensors.
         eviction_failures (int): Times nothing evictable was left while
             memory was above the threshold.
-        ops (int): Ops seen (the engine's clock).
+        ops (int): The engine's clock: ops run in scope that completed
+            (``set_`` included; not calls on tensor subclasses), plus ops
+            replayed to rebuild storages.
         threshold (int | None): The eviction threshold in bytes.
     """
     peak_memory: int

@@ -1,4 +1,4 @@
-"""The DTR engine's mechanism: accounting, records, eviction, replay.
+"""The DTR engine's state, its records and the dispatch hot path.
 
 One :class:`EngineState` per engine. The dispatch mode and the saved-tensor
 hooks of :mod:`mmdtr.core.dtr_mode` are thin closures over it. This module
@@ -28,7 +28,6 @@ from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .writes import Writes, bump_like_eager, versions_before
 
-_OOM = getattr(torch, 'OutOfMemoryError', RuntimeError)
 # One lock for every engine (R12): a thread holding an engine's lock may
 # free a storage another engine counts, whose callback takes that one's
 # lock; with a lock per engine, two threads doing so at once deadlocked.
@@ -99,10 +98,11 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.device = self.cuda = None
         if device is not None:
             self._meter_device(torch.device(device))
-        self.records = {}  # storage address -> StorageRecord (R11)
-        # storage address -> StorageRef: unrecorded replay outputs (R11)
+        # StorageImpl pointer (_cdata) -> StorageRecord (R11)
+        self.records = {}
+        # StorageImpl pointer -> StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
-        # external storage address -> (WeakList of users, weakref to it)
+        # external StorageImpl pointer -> (WeakList of users, weakref to it)
         self.external_users = {}
         self.external_prune_at = 64  # (R10)
         # device -> AddressIndex of the non-resizable storages held by
@@ -258,6 +258,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
     def _register_outputs(self, out, args, kwargs, info):
         """Register the storages the call allocated; return them (R11).
 
+        Views are detected here, at run time (R2): an output over a recorded
+        storage joins that storage's record, and one over the storage of an
+        input from outside is not registered.
+
         A storage whose only users are the output and its Python object
         (use count 2), returned by an op without alias annotations, is new:
         PyTorch's debug builds assert exactly this of non-aliasing ops.
@@ -284,7 +288,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             storage = o.untyped_storage()
             cdata = storage._cdata
             rec = records.get(cdata)
-            if rec is not None:  # a view or write of a storage we know
+            if rec is not None:  # a view or write of one we know (R2)
                 rec.track(o)
                 continue
             if not info.fresh_returns or _use_count(cdata) != 2:
@@ -292,7 +296,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                     inputs = argument_storages(args, kwargs)
                 if cdata in inputs and not (info.lifts_fresh
                                             and storage.resizable()):
-                    continue  # a view of an external storage
+                    continue  # a view of an external storage (R2)
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows
                 # them, R11)
@@ -319,7 +323,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                     return func(*args, **kwargs)
                 finally:
                     lock.acquire()
-            except _OOM:
+            except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError
                 if not self.cuda or not self._evict_one():
                     raise
                 if rng is not None:

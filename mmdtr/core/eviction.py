@@ -1,8 +1,8 @@
 """Eviction: the candidates, the search, and the limit in force.
 
 The eviction half of :class:`~mmdtr.core.engine.EngineState` (one state
-object per engine; this mixin only groups its methods). Rules R3 and R8 of
-docs/design.md.
+object per engine; this mixin only groups its methods). Rules R3, R8 and
+R11 (the limit in force) of docs/design.md.
 """
 import torch
 
@@ -13,7 +13,10 @@ class Evictor:
     """Chooses and evicts storages; mixed into ``EngineState``.
 
     Reads the state's ``candidates``, ``policy``, ``clock``, ``limit``,
-    ``threshold``, ``min_size``, ``sqrt_sampling`` and ``_sampler``.
+    ``threshold``, ``min_size``, ``sqrt_sampling``, ``_sampler``,
+    ``rebuilt``, ``classes`` and accounting (``memory_in_use``); sets
+    ``limit``, ``evictions`` and ``eviction_failures``, and changes
+    ``candidates`` and ``rebuilt`` in place.
     """
 
     def _add_candidate(self, rec):
@@ -37,7 +40,7 @@ class Evictor:
         unreachable for now: the limit rises to the memory in use plus an
         eighth of the threshold, and follows memory down again
         (:meth:`lower_limit`). Without this, every op near an unreachable
-        threshold would evict the storages needed next (thrashing).
+        threshold would evict the storages needed next (thrashing; R11).
         """
         while self.memory_in_use() > self.limit:
             if not self._evict_one():
@@ -57,7 +60,7 @@ class Evictor:
         level again with storages left evictable; following every small
         fall near an unreachable threshold would evict, op after op, the
         storages needed next (at ResNet-50 batch 8, 0.25x: twice the
-        evictions, 1.3x the step time)."""
+        evictions, 1.3x the step time; R11)."""
         if memory <= self.threshold:
             self.limit = self.threshold  # reachable again
         elif memory + self._slack() + self.threshold // 2 < self.limit:

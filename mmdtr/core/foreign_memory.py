@@ -45,7 +45,8 @@ class AddressIndex:
             i += 1
 
     def overlapping(self, start: int, end: int) -> list:
-        """Addresses of the storages whose range meets ``[start, end)``."""
+        """StorageImpl pointers (``_cdata``) of the storages whose data
+        address range meets ``[start, end)``."""
         starts, ends, found = self.starts, self.ends, []
         i = bisect_left(starts, end) - 1
         lowest = start - self.longest
@@ -95,11 +96,12 @@ class ForeignMemory:
                 del self.foreign_index[wref.device]
 
     def _sharing_memory(self, storage, cdata) -> list:
-        """Addresses of the other storages recipes may read that share
-        memory with ``storage``: when it is not resizable and not recorded
-        (a DLPack or NumPy alias), every one met at its address now (a walk:
-        such writes are rare); and, while recipes hold non-resizable
-        storages, those of them it meets (R14)."""
+        """StorageImpl pointers (``_cdata``) of the other storages recipes
+        may read that share memory with ``storage``: when it is not
+        resizable and not recorded (a DLPack or NumPy alias), every one met
+        at its data address now (a walk: such writes are rare); and, while
+        recipes hold non-resizable storages, those of them it meets
+        (R14)."""
         foreign = self.foreign_index
         alias = cdata not in self.records and not storage.resizable()
         if not (alias or foreign):

@@ -1,7 +1,8 @@
 """What the engine needs to know about an operator, read from its schema.
 
-Views are found at run time (an output whose storage is an input's), which
-also covers list returns; writes come from the schema's alias annotations.
+Views are found at run time (an output whose storage is an input's, rule
+R2 of docs/design.md), which also covers list returns; writes come from the
+schema's alias annotations.
 
 Classification is computed once per ``OpOverload`` and cached, so the hot
 path pays a dict lookup per op (rule R1 of docs/design.md).

@@ -146,11 +146,18 @@ def _scratch_ref(a):
 
 
 class Recipes:
-    """Builds :class:`OpNode` recipes; mixed into
+    """Builds :class:`OpNode` recipes, and drops those no saved-tensor
+    handle can reach (the sweep, a carried state's cut: R10); mixed into
     ``EngineState``.
 
-    Uses the state's ``records``, ``external_users``, ``clock`` and
-    accounting (``_meter_rng_state``).
+    Reads the state's ``records``, ``external_users``,
+    ``external_prune_at``, ``clock``, ``backward_clock``, ``reach_epoch``,
+    ``unswept``, ``sweep_next``, ``cut_carried`` and ``lock``; sets
+    ``cut_carried``, ``external_prune_at``, ``unswept``, ``sweep_next``,
+    ``sweep_at`` and ``swept_epoch``, and changes ``external_users`` in
+    place. Calls the accounting (``_meter_rng_state``), the index of
+    outside memory (``_index_held``, ``_unindex_held``) and the writes'
+    ``_forget_if_unneeded``.
     """
 
     def _mutation_target(self, written, full_overwrite):

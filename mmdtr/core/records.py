@@ -47,8 +47,9 @@ def detached_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 class StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers its address and size,
-    and, once indexed (R14), its device and where its memory starts."""
+    """A weak reference to a storage that remembers its StorageImpl pointer
+    (``cdata``) and size, and, once indexed (R14), its device and where its
+    memory starts (its data address)."""
     __slots__ = ('cdata', 'nbytes', 'device', 'start')
 
 
@@ -136,11 +137,13 @@ class StorageRecord:
     Attributes:
         nbytes (int): Size of the storage.
         device (torch.device): Where it lives.
-        cdata (int | None): Address of the live storage (key of the
-            engine's table), ``None`` while it is not resident.
+        cdata (int | None): StorageImpl pointer (``_cdata``) of the live
+            storage (key of the engine's table), ``None`` while it is not
+            resident.
         wref (weakref.ref | None): Weak reference to the live storage.
-        views (dict): The engine's own aliases, keyed by view meta; they
-            keep a saved storage resident (rule R3).
+        views (dict): The engine's own aliases, keyed by view meta, and
+            by ``None`` for the alias of the whole storage a rebuild makes;
+            they keep a saved storage resident (rule R3).
         handles (int): Saved-tensor handles pointing at this record.
         creator (OpNode | AllocNode | None): The producing call.
         out_index (int): Which output of ``creator`` this storage is.
@@ -294,9 +297,13 @@ class StorageRecord:
         DTR's prototype never splits (union-find cannot), so a class keeps
         the cost of members rebuilt since and e* grows stale near the memory
         floor. Here a storage with at most one evicted neighbour in its
-        class (the end of a chain) only takes its cost out; otherwise the
-        class is re-formed from its members still evicted, in time linear in
-        its size (rule R8).
+        class (the end of a chain), or whose class more than
+        :data:`SPLIT_AT_MOST` storages have joined (those rebuilt since
+        count too), only takes its cost out; otherwise the class is
+        re-formed from its members still evicted, in time linear in its
+        size (rule R8). A class merged into another during the walk (a
+        collection freed a storage whose users joined the classes, R12) is
+        not split: the cost comes out of the merged class's root.
         """
         if self.evicted_class is None:
             return

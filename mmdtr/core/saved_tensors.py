@@ -181,6 +181,8 @@ class SavedTensors:
             t = view_of(storage, handle.key, rec.device)
             self._new_alias(rec, handle, t)
             return t
+        # host time around the rebuild, for stats.remat_seconds only: the
+        # engine's one timer, for reporting; no cost reads it (R9)
         start = time.perf_counter()
         storage = self.materialize(rec, version)
         t = view_of(storage, handle.key, rec.device)
@@ -205,7 +207,9 @@ class SavedTensors:
     def release(self, rec):
         rec.handles -= 1
         if rec.handles == 0:
-            self.reach_epoch += 1  # what reached a handle may not (R7)
+            # what reached a handle may not: the walks' reach marks go
+            # stale (R1), and a sweep follows (R10)
+            self.reach_epoch += 1
             rec.views.clear()
             rec.alias_refs = rec.keepalive = None  # frozen: no longer (R7)
             if rec.cand_index >= 0:

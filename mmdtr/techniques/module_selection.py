@@ -26,11 +26,6 @@ from mmdtr.errors import MmdtrError
 _GLOB_CHARS = frozenset('*?[')
 
 
-def is_pattern(name: str) -> bool:
-    """Whether ``name`` holds glob characters (``*``, ``?``, ``[``)."""
-    return any(char in _GLOB_CHARS for char in name)
-
-
 def _match_segments(pattern: Sequence[str], name: Sequence[str]) -> bool:
     if not pattern:
         return not name
