@@ -177,6 +177,8 @@ def main(argv=None):
             # adversarial search)
             check_module_names(cfg)
         if args.check_config:
+            print(f'mmdtr: {args.config} checked: the config, its mmdtr '
+                  'keys, the arguments and the module names are accepted.')
             return
         runner = build_runner(cfg)
     except MmdtrError as e:

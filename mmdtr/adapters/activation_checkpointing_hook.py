@@ -126,5 +126,5 @@ class ActivationCheckpointingHook(Hook):
                                                       self.policy)
         runner.logger.info(
             f'Enabling the "{KEY}" feature (mmdtr, non-reentrant, policy='
-            f'{self.policy!r}) for {len(self.wrapped)} sub-modules: '
-            f'{self.wrapped}')
+            f'{self.policy!r}) for {len(self.wrapped)} sub-module'
+            f"{'' if len(self.wrapped) == 1 else 's'}: {self.wrapped}")

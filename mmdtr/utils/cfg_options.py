@@ -35,9 +35,13 @@ class CfgOptionsAction(DictAction):
                 super().__call__(parser, namespace, [kv], option_string)
             except (RecursionError, AssertionError, ValueError, TypeError,
                     IndexError) as e:
+                # MMEngine's parser recurses on a dict literal: its
+                # RecursionError says nothing to a user
+                why = '' if isinstance(e, RecursionError) else \
+                    f' ({type(e).__name__}: {e})'
                 raise MmdtrError(
-                    f'--cfg-options {kv!r} cannot be parsed '
-                    f'({type(e).__name__}: {e}). Accepted values: a number, '
+                    f'--cfg-options {kv!r} cannot be parsed{why}. Accepted '
+                    'values: a number, '
                     'a bool, None, a string, or a list or tuple of those in '
                     'balanced brackets ([a,b], (a,b)).',
                     hint='set nested keys one by one (dtr.eviction_'

@@ -159,8 +159,9 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
           ], 'cannot be imported'),
         (['custom_imports=3'], 'custom_imports=3'),
         # MMEngine's DictAction: a RecursionError and an AssertionError
+        # (the first, with no word of recursion: it said nothing to a user)
         (['custom_hooks=[dict(type=mmdtr.DTRHook,eviction_threshold=1GB)]'
-          ], r"'custom_hooks=\[dict.* cannot be parsed"),
+          ], r"'custom_hooks=\[dict[^ ]*' cannot be parsed\. Accepted"),
         (['train_cfg.max_iters=2', 'x=(1,2'], r"'x=\(1,2' cannot be parsed")
     ])
 def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
@@ -389,3 +390,19 @@ def test_dist_train_refuses_a_missing_config(tmp_path):
     assert proc.stderr == ("MmdtrError: mmdtr: config file 'no.py' does not "
                            'exist. Hint: give the path of a config file, '
                            "e.g. configs/demo_dtr.py.\n")
+
+
+def test_check_config_checks_and_starts_nothing(train_tool, toy_config,
+                                                tmp_path, capsys):
+    # it printed nothing when the config passed (found by a new-user
+    # walkthrough), and no test ran it
+    work_dir = tmp_path / 'work'
+    common = [toy_config, '--work-dir', str(work_dir), '--check-config']
+    options = ['--cfg-options', 'custom_imports.imports=[toy_classifier]']
+    assert train_tool.main(common + options) is None
+    assert 'checked: the config, its mmdtr keys' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:  # a module name, on the model
+        train_tool.main(common + options + ['activation_checkpointing=nope'])
+    assert info.value.code == 1
+    assert 'activation_checkpointing' in capsys.readouterr().err
+    assert not work_dir.exists()
