@@ -16,7 +16,9 @@ from typing import Iterable, NamedTuple, Optional, Tuple
 import torch
 
 from mmdtr.errors import MmdtrError
-from mmdtr.techniques.inplace_update import foreach_refused
+from mmdtr.techniques.inplace_update import (NOT_PER_PARAMETER,
+                                             foreach_refused,
+                                             not_per_parameter_refused)
 
 KEY = 'optim_wrapper'
 #: The arguments of ``InplaceOptimWrapper``.
@@ -365,8 +367,21 @@ def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
     clip_grad_settings(settings.get('clip_grad'), step_in_backward)
     amp_settings(settings.get('amp'), step_in_backward)
     optimizer = wrapper.get('optimizer', None)
-    if isinstance(optimizer, dict) and optimizer.get('foreach') is True:
-        raise foreach_refused(str(optimizer.get('type')))
+    if not isinstance(optimizer, dict):
+        optimizer = {}
+    if optimizer.get('foreach', None) not in (None, False):
+        # 1 or 'True' passed the check, and the build refused them as
+        # foreach=True (found by an adversarial search)
+        raise foreach_refused(str(optimizer.get('type')), optimizer['foreach'])
+    optimizer_type = optimizer.get('type', None)
+    name = getattr(optimizer_type, '__name__', str(optimizer_type))
+    if step_in_backward and name.split('.')[-1] in {
+            cls.__name__
+            for cls in NOT_PER_PARAMETER
+    }:
+        # refused when runner.train() built the wrapper, after the work
+        # dir was made
+        raise not_per_parameter_refused(name)
     if step_in_backward and distributed:
         raise MmdtrError(
             f'{KEY}.step_in_backward=True cannot train with a launcher '

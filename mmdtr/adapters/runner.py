@@ -109,6 +109,9 @@ def _is_inplace(wrapper_type) -> bool:
     """Whether the type is ``InplaceOptimWrapper`` itself (a subclass may
     take arguments of its own: its constructor checks them)."""
     from .inplace_optim_wrapper import InplaceOptimWrapper
+    if isinstance(wrapper_type, str) and '.' in wrapper_type and \
+            not wrapper_type.startswith('mmdtr.'):
+        return False  # another scope's (_check_wrapper_keys names it)
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
 
 
@@ -211,9 +214,12 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
             {*OPTIM_WRAPPERS.module_dict, *OPTIM_WRAPPERS.parent.module_dict})
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         if close:
+            ours = mmdtr_only(OPTIM_WRAPPERS, close[0])
             raise MmdtrError(
                 f'optim_wrapper type={wrapper_type!r} is not registered.',
-                hint=f'closest match: {close[0]!r}; registered: {known}.')
+                hint=f'closest match: '
+                f"{'mmdtr.' + close[0] if ours else close[0]!r}; "
+                f'registered: {known}.')
         return  # not close to any: MMEngine names it
     check_keys(
         wrapper,

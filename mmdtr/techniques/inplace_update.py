@@ -60,21 +60,33 @@ def make_inplace(optimizer: Optimizer) -> None:
     if 'foreach' not in optimizer.defaults:
         return
     if optimizer.defaults['foreach']:
-        raise foreach_refused(type(optimizer).__name__)
+        raise foreach_refused(
+            type(optimizer).__name__, optimizer.defaults['foreach'])
     optimizer.defaults['foreach'] = False
     for group in optimizer.param_groups:
         group['foreach'] = False
 
 
-def foreach_refused(optimizer_name: str) -> MmdtrError:
+def foreach_refused(optimizer_name: str, value=True) -> MmdtrError:
     """The error for an optimizer built (or configured) with
-    ``foreach=True``, which in-place updates refuse."""
+    ``foreach=True`` (``value``, as given), which in-place updates
+    refuse."""
     return MmdtrError(
-        f'optimizer.foreach=True ({optimizer_name}) allocates transient '
+        f'optimizer.foreach={value!r} ({optimizer_name}) allocates transient '
         'copies of the whole parameter list at every step; in-place updates '
         'accept foreach=None or False.',
         hint='drop foreach from the optimizer config (fused=True is '
         'accepted where torch supports it).')
+
+
+def not_per_parameter_refused(optimizer_name: str) -> MmdtrError:
+    """The error for ``step_in_backward=True`` with an optimizer of
+    :data:`NOT_PER_PARAMETER`."""
+    return MmdtrError(
+        'step_in_backward=True needs an optimizer that updates each '
+        f'parameter on its own; got {optimizer_name}, which needs a closure '
+        'over every parameter.',
+        hint='use step_in_backward=False with this optimizer.')
 
 
 def release_grads(optimizer: Optimizer) -> None:
@@ -175,11 +187,7 @@ class PerParameterStepper:
                  optimizer: Optimizer,
                  clip_value: Optional[float] = None):
         if isinstance(optimizer, NOT_PER_PARAMETER):
-            raise MmdtrError(
-                f'step_in_backward=True needs an optimizer that updates each '
-                f'parameter on its own; got {type(optimizer).__name__}, '
-                'which needs a closure over every parameter.',
-                hint='use step_in_backward=False with this optimizer.')
+            raise not_per_parameter_refused(type(optimizer).__name__)
         self.optimizer = optimizer
         self.clip_value = clip_value
         self.step_kwargs: dict = {}

@@ -149,7 +149,7 @@ SGD = dict(type='SGD', lr=0.1)
          r'argument of AmpOptimWrapper.*rename loss_scal to loss_scale'),
         (dict(type='InplaceOptimWrapperr', optimizer=SGD),
          "type='InplaceOptimWrapperr' is not registered.*closest match: "
-         "'InplaceOptimWrapper'"),
+         "'mmdtr.InplaceOptimWrapper'"),
         ('InplaceOptimWrapper', 'MMEngine takes a dict'),
         (dict(
             generator=dict(optimizer=SGD),
