@@ -48,9 +48,10 @@ def translate_activation_checkpointing(value) -> dict:
         if unknown or 'modules' not in value:
             raise MmdtrError(
                 f'{KEY}={value!r} is not accepted: the dict form takes the '
-                f"keys 'modules' (required) and 'policy'; got {unknown or ''}"
-                f"{'' if 'modules' in value else ' and no modules'}. "
-                f'Accepted: {_ACCEPTED}.',
+                "keys 'modules' (required) and 'policy'; got " +
+                ', '.join([f'the unknown keys {unknown}'] * bool(unknown) +
+                          ['no modules'] * ('modules' not in value)) +
+                f'. Accepted: {_ACCEPTED}.',
                 hint="e.g. dict(modules='backbone.layer*', "
                 "policy='save_compute_heavy').")
         modules, policy = value['modules'], value.get('policy')

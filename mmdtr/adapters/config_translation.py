@@ -198,6 +198,8 @@ def _custom_hooks(value, default_scope) -> list:
         _check_hook_type(i, hook['type'])
         if 'priority' in hook:
             try:
+                if isinstance(hook['priority'], bool):  # an int to MMEngine
+                    raise TypeError
                 get_priority(hook['priority'])
             except (KeyError, TypeError, ValueError):
                 raise MmdtrError(

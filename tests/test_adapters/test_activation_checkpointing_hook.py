@@ -58,7 +58,8 @@ def test_translate_accepted_forms(value, modules, policy):
     (['a', 2], "activation_checkpointing=['a', 2] is not accepted"),
     (dict(policy='save_matmuls'), "the dict form takes the keys 'modules' "
      "(required) and 'policy'"),
-    (dict(modules='a', polcy=None), "got ['polcy']"),
+    (dict(modules='a', polcy=None), "got the unknown keys ['polcy']"),
+    (dict(policy='save_matmuls'), 'got no modules'),
     (dict(modules='a', policy='fast'), "policy='fast' is not accepted: "
      'unknown policy name'),
     (dict(modules='a', policy=['matmull']), "Closest aten ops: ['matmul'"),

@@ -118,6 +118,9 @@ WRAPPER = dict(
         (dict(custom_hooks=[
             dict(type='CheckpointHook', interval=1, priority=-5)
         ]), r'custom_hooks\[0\]: priority=-5 is not accepted'),
+        (dict(custom_hooks=[
+            dict(type='CheckpointHook', interval=1, priority=True)
+        ]), r'custom_hooks\[0\]: priority=True is not accepted'),
         (dict(
             model_wrapper_cfg=dict(WRAPPER, dtr=dict(eviction_threshold='3X')),
             launcher='pytorch'), "'3X' is not a size"),
@@ -152,9 +155,10 @@ WRAPPER = dict(
         'top_level_accumulation', 'hooks_a_dict', 'hooks_a_string',
         'hook_a_string', 'hook_without_type', 'hook_type_typo',
         'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
-        'hook_priority_name', 'hook_priority_range', 'wrapper_bad_size',
-        'wrapper_sub_key_typo', 'wrapper_not_a_dict', 'wrapper_without_dtr',
-        'wrapper_without_type', 'wrapper_without_settings', 'wrapper_typo'
+        'hook_priority_name', 'hook_priority_range', 'hook_priority_bool',
+        'wrapper_bad_size', 'wrapper_sub_key_typo', 'wrapper_not_a_dict',
+        'wrapper_without_dtr', 'wrapper_without_type',
+        'wrapper_without_settings', 'wrapper_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
         keys, match, make_cfg, tmp_path):
