@@ -46,10 +46,10 @@ from torch.utils.checkpoint import (checkpoint,
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
-from .recompute_guards import (GeneratorStates, RecomputeContext,
-                               RunningStatsGuard, TrainingModes, state_record,
-                               tracking_norms, watch_buffers, watch_versions,
-                               written_buffer, written_since)
+from .recompute_guards import (RecomputeContext, RunningStatsGuard,
+                               state_record, tracking_norms, watch_buffers,
+                               watch_versions, written_buffer, written_since)
+from .recompute_put_back import GeneratorStates, TrainingModes
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
 

@@ -1,5 +1,5 @@
 """What a checkpointed module's recompute puts back as its forward had it
-(``recompute_guards``' GeneratorStates and TrainingModes): the generators it
+(``recompute_put_back``: GeneratorStates and TrainingModes): the generators it
 holds or is given, and its modules' train/eval modes; bit-identical to the
 plain module."""
 import copy
