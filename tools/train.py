@@ -18,8 +18,9 @@ from mmengine.registry import RUNNERS
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.adapters.distributed import close_dist
-from mmdtr.adapters.runner import (MMDTRRunner, amp_convertible,
-                                   check_amp_available, dump_config_as_written)
+from mmdtr.adapters.runner import MMDTRRunner, dump_config_as_written
+from mmdtr.adapters.runner_config_checks import (amp_convertible,
+                                                 check_amp_available)
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
                                      read_config)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 
-from mmdtr.adapters import runner as runner_module
+from mmdtr.adapters import runner_config_checks
 from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
@@ -131,13 +131,14 @@ def test_amp_takes_mmengine_wrappers_however_spelt(train_tool, toy_config,
                                                    monkeypatch, wrapper_type):
     # only the bare 'OptimWrapper' was accepted (a scoped name, or the class
     # of a new-style config, was refused)
-    monkeypatch.setattr(runner_module, 'is_cuda_available', lambda: True)
+    monkeypatch.setattr(runner_config_checks, 'is_cuda_available',
+                        lambda: True)
     cfg = build(train_tool, toy_config, '--amp', '--cfg-options',
                 f'optim_wrapper.type={wrapper_type}')
     assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
-    assert runner_module.amp_convertible(OptimWrapper)
-    assert runner_module.amp_convertible(AmpOptimWrapper)
-    assert not runner_module.amp_convertible(InplaceOptimWrapper)
+    assert runner_config_checks.amp_convertible(OptimWrapper)
+    assert runner_config_checks.amp_convertible(AmpOptimWrapper)
+    assert not runner_config_checks.amp_convertible(InplaceOptimWrapper)
 
 
 def test_amp_with_another_wrapper_points_to_its_own_amp(

@@ -1,0 +1,230 @@
+"""The config checks of :class:`~mmdtr.adapters.runner.MMDTRRunner`: the
+optimizer wrappers, AMP on a machine without CUDA, and distributed training
+on a CPU-only machine.
+
+Each ``@config_check`` runs when the config is translated, before the
+runner and its work dir are built: MMEngine would meet these settings only
+in ``runner.train()`` (or once per rank), in a traceback.
+"""
+import difflib
+import inspect
+from typing import Optional
+
+from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
+                             is_npu_available)
+
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import OPTIM_WRAPPERS
+from .config_translation import (check_scoped_type, config_check, mmdtr_only,
+                                 refuse_unless_dict)
+from .distributed import check_cpu_dist_cfg, dist_cfg_of
+from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
+                                     check_keys, check_wrapper_config,
+                                     clip_grad_settings)
+
+
+def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
+    """Whether a config's ``type`` is ``cls``: its name, scoped or not, or
+    the class itself (new-style configs), or with ``subclasses`` one of
+    its subclasses."""
+    if isinstance(wrapper_type, str):
+        return wrapper_type.split('.')[-1] == cls.__name__
+    if subclasses:
+        return isinstance(wrapper_type, type) and issubclass(wrapper_type, cls)
+    return wrapper_type is cls
+
+
+def _is_amp(wrapper_type) -> bool:
+    from mmengine.optim import AmpOptimWrapper
+    return _is_wrapper(wrapper_type, AmpOptimWrapper, subclasses=True)
+
+
+def amp_convertible(wrapper_type) -> bool:
+    """Whether ``--amp`` may make ``wrapper_type`` an ``AmpOptimWrapper``:
+    MMEngine's ``OptimWrapper`` or ``AmpOptimWrapper``, as a name (scoped or
+    not) or as the class (new-style configs)."""
+    from mmengine.optim import AmpOptimWrapper, OptimWrapper
+    return _is_wrapper(wrapper_type, OptimWrapper) or _is_wrapper(
+        wrapper_type, AmpOptimWrapper)
+
+
+def check_amp_available(optim_wrapper: Optional[dict]) -> None:
+    """Fail early if ``optim_wrapper`` asks for AMP on a CPU-only machine.
+
+    MMEngine's ``AmpOptimWrapper`` needs CUDA, NPU or MLU, and otherwise
+    fails with an assertion deep inside the runner.
+
+    Args:
+        optim_wrapper (dict, optional): The ``optim_wrapper`` config; a dict
+            of such configs (one per optimizer) is accepted too.
+
+    Raises:
+        MmdtrError: If an ``AmpOptimWrapper`` is asked for and no supported
+            accelerator is available.
+    """
+    if is_cuda_available() or is_npu_available() or is_mlu_available():
+        return
+    for wrapper in _wrapper_cfgs(optim_wrapper):
+        if _is_amp(wrapper.get('type')):
+            raise MmdtrError(
+                f"optim_wrapper.type={wrapper.get('type')!r} (AMP, e.g. from "
+                '--amp) needs a CUDA, NPU or MLU device, but none is '
+                "available; MMEngine's AmpOptimWrapper cannot run on CPU.",
+                hint="drop --amp, or use optim_wrapper.type='OptimWrapper'.")
+
+
+def _wrapper_cfgs(optim_wrapper) -> list:
+    """The optimizer-wrapper configs of ``optim_wrapper`` (one, or a dict of
+    them, one per optimizer)."""
+    if not isinstance(optim_wrapper, dict):
+        return []
+    if 'type' not in optim_wrapper and 'optimizer' not in optim_wrapper:
+        return [w for w in optim_wrapper.values() if isinstance(w, dict)]
+    return [optim_wrapper]
+
+
+def _is_inplace(wrapper_type) -> bool:
+    """Whether the type is ``InplaceOptimWrapper`` itself (a subclass may
+    take arguments of its own: its constructor checks them)."""
+    from .inplace_optim_wrapper import InplaceOptimWrapper
+    if isinstance(wrapper_type, str) and '.' in wrapper_type and \
+            not wrapper_type.startswith('mmdtr.'):
+        return False  # another scope's (_check_wrapper_keys names it)
+    return _is_wrapper(wrapper_type, InplaceOptimWrapper)
+
+
+@config_check
+def check_cpu_distributed(cfg, custom_hooks: list) -> None:
+    """With a launcher and no accelerator, check ``env_cfg.dist_cfg`` and
+    refuse ``sync_bn`` when the config is read: ``tools/dist_train.sh``
+    checks once, before the ranks start (found by an adversarial search:
+    each failed once per rank, then in torchrun's traceback).
+
+    Args:
+        cfg (Config): The config.
+        custom_hooks (list): Its hooks (unused).
+
+    Raises:
+        MmdtrError: On a ``dist_cfg`` value CPU training cannot use, or
+            ``sync_bn``: PyTorch's SyncBatchNorm runs on GPU modules only.
+    """
+    if cfg.get('launcher', 'none') in (None, 'none') or get_device() != 'cpu':
+        return
+    check_cpu_dist_cfg(**dist_cfg_of(cfg.get('env_cfg', None)))
+    sync_bn = cfg.get('sync_bn', None)
+    if sync_bn is not None:
+        raise MmdtrError(
+            f'sync_bn={sync_bn!r} cannot run on CPU: SyncBatchNorm works '
+            'with GPU modules only.',
+            hint='leave sync_bn out on CPU (each rank then keeps batch '
+            'statistics of its own).')
+
+
+@config_check
+def check_optim_wrappers(cfg, custom_hooks: list) -> None:
+    """Check the optimizer wrappers' settings before the runner is built.
+
+    ``accumulative_counts`` must be a positive int (MMEngine's
+    ``OptimWrapper`` accepts ``2.5`` and ``True`` and asserts on 0 deep
+    inside the runner); an ``InplaceOptimWrapper`` is checked whole, as its
+    constructor would check it when ``runner.train()`` builds it.
+
+    Raises:
+        MmdtrError: On a setting that is not accepted.
+    """
+    distributed = cfg.get('launcher', 'none') not in (None, 'none')
+    default_scope = cfg.get('default_scope', None)
+    optim_wrapper = cfg.get('optim_wrapper', None)
+    refuse_unless_dict(
+        'optim_wrapper', optim_wrapper,
+        'a dict (or a dict of them, one per optimizer)',
+        "e.g. optim_wrapper=dict(type='OptimWrapper', "
+        "optimizer=dict(type='SGD', lr=0.01)); on the command line "
+        'set its keys: optim_wrapper.type=InplaceOptimWrapper.')
+    # a custom constructor may read keys of its own, in its own way
+    default = _default_constructor(optim_wrapper or {})
+    for wrapper in _wrapper_cfgs(optim_wrapper):
+        check_scoped_type('optim_wrapper', wrapper, OPTIM_WRAPPERS,
+                          default_scope)
+        built_by_default = default and _default_constructor(wrapper)
+        if built_by_default:
+            _check_optimizer_key(wrapper)
+        if _is_inplace(wrapper.get('type')):
+            check_wrapper_config(wrapper, distributed)
+            continue
+        if built_by_default and ('type' in wrapper or 'optimizer' in wrapper):
+            _check_wrapper_keys(wrapper, default_scope)
+        if 'accumulative_counts' in wrapper:
+            check_accumulative_counts(wrapper['accumulative_counts'], False)
+        if amp_convertible(wrapper.get('type', 'OptimWrapper')):
+            # MMEngine's own: an assertion or a ValueError in train()
+            clip_grad_settings(wrapper.get('clip_grad', None), False)
+
+
+def _check_optimizer_key(wrapper: dict) -> None:
+    """The default constructor builds ``optimizer`` from a dict (anything
+    else failed in ``runner.train()`` with an AttributeError)."""
+    optimizer = wrapper.get('optimizer', None)
+    if 'optimizer' in wrapper and not isinstance(optimizer, dict):
+        raise MmdtrError(
+            f'optim_wrapper.optimizer={optimizer!r} is not accepted: '
+            "MMEngine's default constructor builds it from a dict with a "
+            'type.',
+            hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
+
+
+def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
+    """Refuse a wrapper type of mmdtr's or MMEngine's scope that is not
+    registered while close to one that is (``InplaceOptimWrapperr``), and
+    keys the wrapper does not take (``accumulative_count``): MMEngine's
+    default constructor would fail on either in ``runner.train()``, in a
+    traceback. Other scopes' types are left to MMEngine (their registries
+    may not be imported yet)."""
+    wrapper_type = wrapper.get('type', 'OptimWrapper')
+    cls = wrapper_type if isinstance(wrapper_type, type) else \
+        OPTIM_WRAPPERS.get(wrapper_type)
+    if cls is None:
+        scope, _, name = str(wrapper_type).rpartition('.')
+        scope = scope or wrapper.get('_scope_', None) or default_scope
+        if scope not in (None, 'mmdtr', 'mmengine'):
+            return
+        known = sorted(
+            {*OPTIM_WRAPPERS.module_dict, *OPTIM_WRAPPERS.parent.module_dict})
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            ours = mmdtr_only(OPTIM_WRAPPERS, close[0])
+            raise MmdtrError(
+                f'optim_wrapper type={wrapper_type!r} is not registered.',
+                hint=f'closest match: '
+                f"{'mmdtr.' + close[0] if ours else close[0]!r}; "
+                f'registered: {known}.')
+        return  # not close to any: MMEngine names it
+    check_keys(
+        wrapper,
+        sorted({*BUILDER_KEYS, *_init_parameters(cls)} - {'self'}),
+        'optim_wrapper',
+        f'an argument of {cls.__name__} or a key of its builder',
+        values=wrapper)
+
+
+def _default_constructor(wrapper: dict) -> bool:
+    constructor = wrapper.get('constructor', None)
+    return constructor is None or str(constructor).split(
+        '.')[-1] == 'DefaultOptimWrapperConstructor'
+
+
+def _init_parameters(cls) -> set:
+    """Parameter names of ``cls.__init__`` and, through ``**kwargs``, of
+    its bases'."""
+    names = set()
+    for klass in cls.__mro__:
+        if '__init__' not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {
+            p.name
+            for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
