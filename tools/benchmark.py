@@ -22,14 +22,16 @@ from typing import Optional
 from mmengine.config import Config
 
 from mmdtr.benchmarking import BenchmarkSuite, Launcher, check_workload
-from mmdtr.benchmarking.arguments import (DEFAULT_FRACTIONS, QUICK, check_args,
-                                          max_batch, parse_args, parse_match,
-                                          quick_default)
+from mmdtr.benchmarking.arguments import parse_match
+from mmdtr.benchmarking.command_line import (DEFAULT_FRACTIONS, QUICK,
+                                             check_args, max_batch, parse_args,
+                                             quick_default)
 from mmdtr.benchmarking.launch import default_launcher
-from mmdtr.benchmarking.report import (drop_sections, failed_runs,
-                                       failures_message, machine_info,
-                                       update_results, write_report)
+from mmdtr.benchmarking.report import write_report
 from mmdtr.benchmarking.results import read_results
+from mmdtr.benchmarking.results_updates import (drop_sections, failed_runs,
+                                                failures_message, machine_info,
+                                                update_results)
 from mmdtr.benchmarking.workloads import load_config
 from mmdtr.core.sizes import format_size, parse_size
 from mmdtr.errors import MmdtrError

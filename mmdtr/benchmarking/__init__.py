@@ -3,8 +3,9 @@
 Importing this package imports no plotting library; :mod:`.plots` needs
 matplotlib (``pip install -e .[bench]``).
 """
+from .largest_batch import largest_fitting
 from .launch import LAUNCHERS, Launcher, Progress
-from .suite import ALTERNATIVES, BenchmarkSuite, largest_fitting
+from .suite import ALTERNATIVES, BenchmarkSuite
 from .worker import make_spec, run_spec
 from .workloads import (DEFAULT_BLOCKS, NO_EVICTION, OPTIMIZERS, TECHNIQUES,
                         Workload, apply_technique, block_names, check_workload,

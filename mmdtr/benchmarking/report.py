@@ -1,173 +1,19 @@
-"""What the benchmark writes: ``results.json``, ``benchmark.md``, plots.
+"""What the benchmark draws from ``results.json``: ``benchmark.md``, plots.
 
-``results.json`` holds ``meta`` (machine and software, refreshed by every
-invocation) and one section per benchmark that has run (``sweep``,
-``compare``, ``largest_batch``), each with the ``settings`` it ran with.
-Running one benchmark replaces its section and keeps the others, so the
-table and the plots always show every section of the work dir.
+:func:`markdown` renders the tables of every section;
+:func:`write_report` writes them and the plots to the work dir.
+:mod:`.results_updates` writes ``results.json`` itself.
 """
-import json
-import os
 import os.path as osp
-import platform
-from typing import List, Optional, Sequence, Tuple
-
-import torch
+from typing import List, Optional
 
 from mmdtr.core.sizes import format_size
-from .results import read_results
 
 #: Slowdown targets of the engine issue (ResNet-50 CPU step, batch >= 8):
 #: ``None`` is a threshold above the peak (no eviction).
 TARGETS = {None: 1.05, 0.5: 1.15, 0.25: 1.35}
 # Settings that apply to largest-batch probes (they set batch and steps).
 _PROBE_KEYS = ('config', 'image_size', 'seq_len', 'device', 'optimizer')
-
-
-def machine_info(device: str) -> dict:
-    """The machine and software the runs ran on.
-
-    Args:
-        device (str): The runs' device; a CUDA device adds ``gpu``.
-
-    Returns:
-        dict: ``cpu``, ``cpu_count``, ``torch_threads``, ``torch``,
-        ``python``, ``platform``, ``device`` and, where known,
-        ``mmengine``, ``load_average`` and ``gpu``.
-    """
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f:
-            names = [
-                ln.split(':', 1)[1].strip() for ln in f
-                if ln.startswith('model name')
-            ]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    info = dict(
-        cpu=cpu,
-        cpu_count=os.cpu_count(),
-        torch_threads=torch.get_num_threads(),
-        torch=torch.__version__,
-        python=platform.python_version(),
-        platform=platform.platform(),
-        device=device)
-    try:
-        import mmengine
-        info['mmengine'] = mmengine.__version__
-    except ImportError:  # pragma: no cover - mmdtr requires it
-        pass
-    if hasattr(os, 'getloadavg'):
-        info['load_average'] = [round(x, 2) for x in os.getloadavg()]
-    if device.startswith('cuda') and torch.cuda.is_available():
-        info['gpu'] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
-def update_results(path: str, meta: dict, section: str, data) -> dict:
-    """Write ``data`` as ``section`` of the JSON at ``path``; return all.
-
-    Args:
-        path (str): The ``results.json`` file; its other sections are kept.
-        meta (dict): Replaces ``meta`` (see :func:`machine_info`).
-        section (str): The section's name, e.g. ``'sweep'``.
-        data: The section's contents.
-
-    Returns:
-        dict: Everything written.
-
-    Raises:
-        MmdtrError: If an existing file is not a ``results.json`` of the
-            benchmark (:func:`~.results.read_results`).
-    """
-    results = read_results(path)
-    results['meta'] = meta
-    results[section] = data
-    return _write_results(path, results)
-
-
-def drop_sections(path: str, sections: Sequence[str]) -> dict:
-    """Remove ``sections`` from the JSON at ``path``; return all.
-
-    Args:
-        path (str): The ``results.json`` file.
-        sections (Sequence[str]): Section names; those absent are skipped.
-
-    Returns:
-        dict: Everything written.
-
-    Raises:
-        MmdtrError: If an existing file is not a ``results.json`` of the
-            benchmark (:func:`~.results.read_results`).
-    """
-    results = read_results(path)
-    for section in sections:
-        results.pop(section, None)
-    return _write_results(path, results)
-
-
-def _write_results(path: str, results: dict) -> dict:
-    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
-    with open(path, 'w') as f:
-        json.dump(results, f, indent=2)
-    return results
-
-
-def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
-    """The runs of a section that failed, and how many it has.
-
-    Sweep and compare runs fail when their status is not ``'ok'``; the
-    largest-batch search of a technique fails when a probe fails otherwise
-    than by not fitting.
-
-    Args:
-        section (str): ``'sweep'``, ``'compare'`` or ``'largest_batch'``.
-        data (dict): The section: ``runs``, or for ``largest_batch`` its
-            ``result``.
-
-    Returns:
-        tuple: ``(failed, total)``: a ``'name (status)'`` per failed run,
-        and the number of runs (searches for ``largest_batch``).
-    """
-    if section == 'largest_batch':
-        result = data['result']
-        return [
-            f'largest batch of {technique} ({result[technique]["error"]})'
-            for technique in ('baseline', 'dtr')
-            if result[technique].get('error')
-        ], 2
-    return [
-        f"{run['name']} ({run['status']})" if run['status'] != 'ok' else
-        f"{run['name']} ({run['lost_repeats']} repeat(s) failed)"
-        for run in data['runs']
-        if run['status'] != 'ok' or run.get('lost_repeats')
-    ], len(data['runs'])
-
-
-def failures_message(failures: List[str], total: int, not_run: Sequence[str],
-                     work_dir: str) -> str:
-    """What the tool says when runs failed (see :func:`failed_runs`).
-
-    Args:
-        failures (list[str]): The failed runs; the first five are named.
-        total (int): The number of runs.
-        not_run (Sequence[str]): The commands left out after a benchmark
-            whose every run failed.
-        work_dir (str): The work dir, whose ``logs`` the message names.
-
-    Returns:
-        str: The message.
-    """
-    shown = ', '.join(failures[:5])
-    if len(failures) > 5:
-        shown += f' and {len(failures) - 5} more'
-    text = f'{len(failures)} of {total} runs failed: {shown}.'
-    if not_run:
-        text += (f' Every run of the last benchmark failed, so '
-                 f'{", ".join(not_run)} did not run.')
-    return text + (f' Their logs are in {osp.join(work_dir, "logs")}, and '
-                   'the status column of benchmark.md says why.')
 
 
 def _mib(nbytes) -> str:

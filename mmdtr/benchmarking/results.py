@@ -2,7 +2,7 @@
 
 ``tools/benchmark.py`` adds its sections to the ``results.json`` it finds,
 and ``report`` draws from it alone, so a file that is not JSON, or not laid
-out as :mod:`.report` writes it, is refused up front with one
+out as :mod:`.results_updates` writes it, is refused up front with one
 :class:`~mmdtr.errors.MmdtrError` instead of a traceback after the runs.
 """
 import json
@@ -91,7 +91,7 @@ def _check_largest_batch(section: dict, path: str) -> None:
 
 
 def check_results(results, path: str = 'results.json') -> None:
-    """Check that ``results`` is laid out as :mod:`.report` writes it.
+    """Check that ``results`` is laid out as :mod:`.results_updates` writes it.
 
     Args:
         results: The parsed JSON.

@@ -6,7 +6,8 @@ import copy
 import pytest
 
 from mmdtr.benchmarking import BenchmarkSuite
-from mmdtr.benchmarking.report import failed_runs, markdown, per_op_line
+from mmdtr.benchmarking.report import markdown, per_op_line
+from mmdtr.benchmarking.results_updates import failed_runs
 from mmdtr.errors import MmdtrError
 from .conftest import RESNET
 
