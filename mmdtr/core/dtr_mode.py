@@ -194,7 +194,13 @@ class DTR:
                 'Close it on the thread that started it.')
         _refuse_in_backward('close')
         stack = _get_current_dispatch_mode_stack()
-        if not stack or stack[-1] is not self._mode:
+        # a mode entered before this one and left while it was active pops
+        # this one instead of its own (torch pops the top): the engine is
+        # closed all the same, then the misuse reported (it was stuck
+        # enabled, its hooks set; found by an adversarial search)
+        popped = not any(mode is self._mode for mode in stack)
+        stack_top = type(stack[-1]).__name__ if stack else 'none'
+        if not popped and stack[-1] is not self._mode:
             raise MmdtrError(
                 'a dispatch mode entered after this DTR engine is still '
                 f'active ({type(stack[-1]).__name__ if stack else "none"}); '
@@ -208,11 +214,21 @@ class DTR:
             hooks.__exit__(exc_type, exc, tb)
         finally:
             try:
-                mode.__exit__(exc_type, exc, tb)
+                if not popped:
+                    mode.__exit__(exc_type, exc, tb)
                 self._stats = self._snapshot(state)
                 state.close()
             finally:
                 self._collector()
+        if popped:
+            raise MmdtrError(
+                "this DTR engine's dispatch mode was popped by another "
+                'mode\'s exit (torch pops the top mode: one entered before '
+                'DTR and left while DTR was active); the engine is closed '
+                f'now, and the mode on top is still entered ({stack_top}).',
+                'Leave modes in the reverse order they entered: start DTR '
+                'after entering the other mode and stop it before leaving '
+                'that mode.')
         return False
 
     def __reduce_ex__(self, protocol):

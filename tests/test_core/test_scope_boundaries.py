@@ -113,3 +113,26 @@ def test_start_inside_saved_tensor_hooks_is_refused(outer):
         with outer():  # inside: it takes its block's tensors, DTR the rest
             _step()
     assert engine.stats.ops > 0
+
+
+def test_an_outer_mode_left_first_does_not_leave_dtr_stuck():
+    # torch pops the top mode: leaving FlopCounterMode (entered first)
+    # popped DTR's, and disable() refused for ever with the hooks still set
+    # (found by an adversarial search)
+    from torch.utils._python_dispatch import _pop_mode
+    from torch.utils.flop_counter import FlopCounterMode
+    flops = FlopCounterMode(display=False)
+    flops.__enter__()
+    dtr.eviction_threshold = '1GB'
+    try:
+        dtr.enable()
+        flops.__exit__(None, None, None)  # pops DTR's mode
+        with pytest.raises(MmdtrError, match='popped by another mode'):
+            dtr.disable()
+        assert not dtr.is_enabled() and not dtr.engine_active()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(
+            False) is None
+    finally:
+        dtr.eviction_threshold = None
+        while _get_current_dispatch_mode_stack():  # the one left entered
+            _pop_mode()
