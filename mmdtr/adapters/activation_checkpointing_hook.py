@@ -114,9 +114,30 @@ class ActivationCheckpointingHook(Hook):
         hooks unapplied too. Refused next to MMEngine's own key."""
         refuse_runner_key(runner, KEY, self)
         model = runner.model
-        resolve_modules(
-            model.module if is_model_wrapper(model) else model, self.modules,
-            KEY)
+        model = model.module if is_model_wrapper(model) else model
+        found = resolve_modules(model, self.modules, KEY)
+        self._refuse_other_policies(runner, model, found)
+
+    def _refuse_other_policies(self, runner, model, found: dict) -> None:
+        """Refuse a module that another of these hooks selects with another
+        policy: the one applied last won, and both were logged as enabled
+        (found by an adversarial search)."""
+        for other in runner.hooks:
+            if other is self or not isinstance(
+                    other, ActivationCheckpointingHook) or normalize_policy(
+                        other.policy) == normalize_policy(self.policy):
+                continue
+            theirs = resolve_modules(model, other.modules, KEY)
+            ids = {id(module) for module in theirs.values()}
+            both = [name for name, m in found.items() if id(m) in ids]
+            if both:
+                raise MmdtrError(
+                    f'{KEY}: {both[0]!r} is selected by two '
+                    f'ActivationCheckpointingHooks, with policy='
+                    f'{self.policy!r} and policy={other.policy!r}; the one '
+                    'applied last would win.',
+                    hint='select each module once, or give both hooks the '
+                    'same policy.')
 
     def before_train(self, runner) -> None:
         """Wrap the selected modules of the (unwrapped) model."""

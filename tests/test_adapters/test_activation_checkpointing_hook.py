@@ -149,3 +149,32 @@ def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
         runner.train()
     assert "activation_checkpointing=['backbone.layer1']" in str(info.value)
     assert not is_checkpointed(runner.model.backbone.layer1)
+
+
+@pytest.mark.parametrize('second, refused', [
+    ('save_compute_heavy', True),
+    (None, False),
+])
+def test_one_module_two_hooks_needs_one_policy(make_cfg, tmp_path, second,
+                                               refused):
+    # the hook applied last set its policy and both were logged as enabled
+    # (found by an adversarial search); the same policy twice is harmless
+    hooks = [
+        dict(type='mmdtr.ActivationCheckpointingHook', modules='backbone.*'),
+        dict(
+            type='mmdtr.ActivationCheckpointingHook',
+            modules='backbone.layer1',
+            policy=second),
+    ]
+    runner = Runner.from_cfg(make_cfg(tmp_path, custom_hooks=hooks))
+    if not refused:
+        runner.train()
+        assert is_checkpointed(runner.model.backbone.layer1)
+        return
+    with pytest.raises(
+            MmdtrError,
+            match="'backbone.layer1' is selected by "
+            'two ActivationCheckpointingHooks'):
+        runner.train()
+    assert not is_checkpointed(runner.model.backbone.layer1)
+    assert not is_checkpointed(runner.model.backbone.layer2)
