@@ -368,7 +368,11 @@ def _check_hook_arguments(custom_hooks: list) -> None:
 
 
 def hook_name(hook_cfg) -> str:
-    """A hook config's type, without its registry scope (``'DTRHook'``)."""
+    """A hook config's type, without its registry scope (``'DTRHook'``);
+    for a hook object, its class name (the checks for a hook configured
+    twice skipped objects; found by an adversarial search)."""
+    if isinstance(hook_cfg, Hook):
+        return type(hook_cfg).__name__
     hook_type = hook_cfg.get('type', '') if isinstance(hook_cfg, dict) else ''
     hook_type = getattr(hook_type, '__name__', hook_type)
     return str(hook_type).split('.')[-1]

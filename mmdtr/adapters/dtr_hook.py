@@ -62,7 +62,18 @@ def translate_dtr(value) -> dict:
         >>> # from the command line
         >>> # --cfg-options dtr.eviction_threshold=3GB
     """
-    return dict(type='mmdtr.DTRHook', **dtr_settings(value, KEY))
+    settings = dtr_settings(value, KEY)
+    if not isinstance(settings.get('policy', 'dtr'), str):
+        # the config dump failed on it, in a raw traceback after the work
+        # dir was made (found by an adversarial search)
+        raise MmdtrError(
+            f"{KEY}.policy={settings['policy']!r} is not accepted in a "
+            'config: it is written to the work dir, which takes names, not '
+            'objects.',
+            hint='register the class with mmdtr.dtr.register_policy (in a '
+            "module the config's custom_imports imports) and give its "
+            'name.')
+    return dict(type='mmdtr.DTRHook', **settings)
 
 
 def _compile_refused(compiled) -> MmdtrError:

@@ -169,6 +169,23 @@ def test_combinations_that_cannot_work_fail_at_translation(
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_objects_in_the_config_are_checked_too(make_cfg, tmp_path):
+    # a hook object skipped the checks for a hook configured twice, and a
+    # policy object passed, then failed the config dump in a raw traceback
+    # (found by an adversarial search)
+    from mmdtr.dtr import POLICIES
+    cfg = make_cfg(
+        tmp_path,
+        dtr=dict(eviction_threshold='1GB'),
+        custom_hooks=[DTRHook(eviction_threshold='2GB')])
+    with pytest.raises(MmdtrError, match='both configure DTRHook'):
+        translate_memory_keys(cfg)
+    cfg = make_cfg(
+        tmp_path, dtr=dict(eviction_threshold='1GB', policy=POLICIES['lru']()))
+    with pytest.raises(MmdtrError, match='register_policy'):
+        translate_memory_keys(cfg)
+
+
 def test_legitimate_configs_are_not_refused(make_cfg, tmp_path):
     # an imported class named like the key (new-style configs import
     # `DETR`), a 4-letter key near 'dtr' (`detr`), two checkpointing hooks
