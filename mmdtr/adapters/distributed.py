@@ -32,6 +32,9 @@ _LAUNCHER_ENV = {
 }
 _CPU_BACKENDS = ('gloo', 'mpi')
 
+#: The longest collective timeout: what a ``datetime.timedelta`` holds.
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+
 
 def _env(name: str, launcher: str) -> str:
     if name not in os.environ:
@@ -89,10 +92,13 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
             hint='leave init_backend out of env_cfg.dist_cfg.')
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or not 0 < timeout < float('inf'):
+                timeout, (int, float)) or not 0 < timeout < MAX_TIMEOUT_S:
+            # above, a raw OverflowError from timedelta (found by an
+            # adversarial search)
             raise MmdtrError(
                 f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
-                'expected a positive number of seconds.',
+                'expected a positive number of seconds below '
+                f'{MAX_TIMEOUT_S}.',
                 hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
         kwargs['timeout'] = datetime.timedelta(seconds=timeout)
     accepted = inspect.signature(torch_dist.init_process_group).parameters
