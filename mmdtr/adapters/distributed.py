@@ -97,8 +97,8 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
             # adversarial search)
             raise MmdtrError(
                 f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
-                'expected a positive number of seconds below '
-                f'{MAX_TIMEOUT_S}.',
+                'expected a positive number, below '
+                f'{MAX_TIMEOUT_S:.0f} seconds.',
                 hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
         kwargs['timeout'] = datetime.timedelta(seconds=timeout)
     accepted = inspect.signature(torch_dist.init_process_group).parameters
