@@ -58,4 +58,5 @@ def check_module_names(cfg) -> None:
             except Exception:  # noqa: B902 - the runner will say why
                 return
     for hook in selecting:
-        hook.before_run(types.SimpleNamespace(model=model, cfg=cfg))
+        hook.before_run(
+            types.SimpleNamespace(model=model, cfg=cfg, hooks=selecting))

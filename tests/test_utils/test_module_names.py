@@ -73,3 +73,18 @@ def test_the_model_is_built_only_for_selecting_keys():
 def test_a_model_that_cannot_be_built_is_left_to_the_runner():
     check_module_names(
         _config(dict(type='NoSuchModel'), activation_checkpointing='x'))
+
+
+def test_two_checkpointing_hooks_with_other_policies_are_checked_too():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
+    hooks = [
+        dict(type='mmdtr.ActivationCheckpointingHook', modules='0'),
+        dict(
+            type='mmdtr.ActivationCheckpointingHook',
+            modules='*',
+            policy='save_matmuls')
+    ]
+    with pytest.raises(MmdtrError, match="'0' is selected by two"):
+        check_module_names(_config(model, custom_hooks=hooks))
+    hooks[1]['policy'] = None  # the same policy: harmless
+    check_module_names(_config(model, custom_hooks=hooks))
