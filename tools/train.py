@@ -17,7 +17,7 @@ from mmengine.config import Config
 from mmengine.registry import RUNNERS
 
 from mmdtr.adapters.config_translation import translate_memory_keys
-from mmdtr.adapters.distributed import close_dist
+from mmdtr.adapters.cpu_process_group import close_dist
 from mmdtr.adapters.runner import MMDTRRunner, dump_config_as_written
 from mmdtr.adapters.runner_config_checks import (amp_convertible,
                                                  check_amp_available)

@@ -1,7 +1,7 @@
 """MMEngine adapter of DTR: the ``dtr`` config key and :class:`DTRHook`.
 
 The engine is :class:`mmdtr.dtr.DTR`; one training step under it is
-:class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep`. The hook decides
+:class:`~mmdtr.adapters.dtr_train_step.DTRTrainStep`. The hook decides
 who runs that step, once, before training:
 
 - if the model is a
@@ -29,8 +29,8 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
 from .config_translation import (check_scoped_type, config_check, hook_name,
                                  memory_key, refuse_unless_dict)
-from .dtr_model_wrapper import (DTRDistributedDataParallel, DTRTrainStep,
-                                dtr_settings, model_device)
+from .dtr_model_wrapper import DTRDistributedDataParallel
+from .dtr_train_step import DTRTrainStep, dtr_settings, model_device
 
 KEY = 'dtr'
 
@@ -201,7 +201,7 @@ class DTRHook(Hook):
     under a fresh :class:`~mmdtr.dtr.DTR` engine, closed before gradient
     clipping and the optimizer step, and also on iterations that only
     accumulate gradients or that raise (with several optimizers, see
-    :class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep`). Validation and
+    :class:`~mmdtr.adapters.dtr_train_step.DTRTrainStep`). Validation and
     test loops never run under it. Per iteration, the peak memory (MiB),
     evictions, recomputations, rebuild time and eviction failures go to the
     message hub as ``train/dtr_*`` scalars, shown by ``LoggerHook`` and the

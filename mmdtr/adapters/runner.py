@@ -33,7 +33,7 @@ from torch import nn
 from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
-from .distributed import dist_cfg_of, init_cpu_dist
+from .cpu_process_group import dist_cfg_of, init_cpu_dist
 from .runner_config_checks import check_amp_available
 
 
@@ -98,7 +98,7 @@ class MMDTRRunner(Runner):
 
         MMEngine's ``init_dist`` calls ``torch.cuda.set_device``. Without an
         accelerator the process group is initialised here with
-        :func:`~mmdtr.adapters.distributed.init_cpu_dist`; MMEngine's
+        :func:`~mmdtr.adapters.cpu_process_group.init_cpu_dist`; MMEngine's
         ``setup_env`` then skips ``init_dist`` since the group exists.
 
         Args:

@@ -17,7 +17,7 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import OPTIM_WRAPPERS
 from .config_translation import (check_scoped_type, config_check, mmdtr_only,
                                  refuse_unless_dict)
-from .distributed import check_cpu_dist_cfg, dist_cfg_of
+from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)

@@ -4,7 +4,7 @@ A workload is a config of ``configs/`` (a model and a synthetic dataset)
 at a batch size. One training step is: forward in ``mode='loss'``, the
 losses summed, ``backward()``, then an SGD step (or only ``zero_grad``).
 DTR, when used, is active around the forward and the backward only, as
-:class:`~mmdtr.adapters.dtr_model_wrapper.DTRTrainStep` does in training.
+:class:`~mmdtr.adapters.dtr_train_step.DTRTrainStep` does in training.
 
 The alternatives to DTR checkpoint the model's *blocks*: the sequential
 chain of residual blocks, units or transformer layers that carry the

@@ -25,7 +25,7 @@ from mmengine.registry import DATASETS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
 
-from mmdtr.adapters.distributed import close_dist
+from mmdtr.adapters.cpu_process_group import close_dist
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOY_DIR = osp.dirname(osp.abspath(__file__))

@@ -9,8 +9,8 @@ import torch.distributed as torch_dist
 from mmengine.model import MMDistributedDataParallel
 from torch import nn
 
-from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
-                                        close_dist, init_cpu_dist)
+from mmdtr.adapters.cpu_process_group import close_dist, init_cpu_dist
+from mmdtr.adapters.distributed import MMDTRDistributedDataParallel
 from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError

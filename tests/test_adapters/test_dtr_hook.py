@@ -12,7 +12,7 @@ from mmengine.registry import HOOKS, METRICS, MODELS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 
 from mmdtr.adapters.dtr_hook import DTRHook
-from mmdtr.adapters.dtr_model_wrapper import model_device
+from mmdtr.adapters.dtr_train_step import model_device
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError

@@ -22,11 +22,11 @@ from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS
 from torch.utils.data import Dataset
 
-from mmdtr.adapters.distributed import (MMDTRDistributedDataParallel,
-                                        init_cpu_dist)
+from mmdtr.adapters.cpu_process_group import init_cpu_dist
+from mmdtr.adapters.distributed import MMDTRDistributedDataParallel
 from mmdtr.adapters.dtr_hook import DTRHook
-from mmdtr.adapters.dtr_model_wrapper import (DTRDistributedDataParallel,
-                                              DTRTrainStep)
+from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
+from mmdtr.adapters.dtr_train_step import DTRTrainStep
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError

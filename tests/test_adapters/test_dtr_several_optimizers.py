@@ -19,7 +19,7 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict, build_optim_wrapper
 from mmengine.registry import DATASETS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from torch.utils.data import Dataset
 
-from mmdtr.adapters.dtr_model_wrapper import DTRTrainStep
+from mmdtr.adapters.dtr_train_step import DTRTrainStep
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import engine_active
 

@@ -25,7 +25,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from mmdtr.adapters.dtr_model_wrapper import SCALARS, model_device
+from mmdtr.adapters.dtr_train_step import SCALARS, model_device
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import engine_active
 from mmdtr.techniques.activation_checkpointing import is_checkpointed

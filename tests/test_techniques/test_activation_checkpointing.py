@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmdtr.adapters.distributed import close_dist
+from mmdtr.adapters.cpu_process_group import close_dist
 from mmdtr.errors import MmdtrError
 from mmdtr.techniques.activation_checkpointing import (
     apply_activation_checkpointing, is_checkpointed, normalize_policy)

@@ -1,0 +1,227 @@
+"""CPU process-group setup for distributed training with gloo (or mpi).
+
+MMEngine 0.10.7's ``init_dist`` calls ``torch.cuda.set_device``, which fails
+on a CPU-only machine. This module holds what mmdtr's runner
+(:mod:`mmdtr.adapters.runner`) uses instead when no accelerator is
+available: :func:`check_cpu_dist_cfg` and :func:`dist_cfg_of` check
+``env_cfg.dist_cfg``, :func:`init_cpu_dist` starts the default process group
+without touching CUDA, and :func:`close_dist` destroys it when training ends.
+With CUDA, MMEngine's own path (nccl) is kept. The CPU DDP wrappers are in
+:mod:`mmdtr.adapters.distributed`.
+"""
+import datetime
+import difflib
+import gc
+import inspect
+import os
+import subprocess
+from typing import Optional
+
+import torch.distributed as torch_dist
+
+from mmdtr.errors import MmdtrError
+
+#: launcher -> environment variables giving (rank, world size, local rank)
+_LAUNCHER_ENV = {
+    'pytorch': ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'),
+    'slurm': ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'),
+    'mpi': ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+            'OMPI_COMM_WORLD_LOCAL_RANK'),
+}
+_CPU_BACKENDS = ('gloo', 'mpi')
+
+#: The longest collective timeout: what a ``datetime.timedelta`` holds.
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+
+
+def _env(name: str, launcher: str) -> str:
+    if name not in os.environ:
+        raise MmdtrError(
+            f'launcher {launcher!r} needs the environment variable {name}, '
+            'which is not set.',
+            hint='start the processes with tools/dist_train.sh (torchrun) '
+            'for --launcher pytorch.')
+    return os.environ[name]
+
+
+def _available_backends() -> tuple:
+    return tuple(b for b in _CPU_BACKENDS
+                 if b != 'mpi' or torch_dist.is_mpi_available())
+
+
+def check_cpu_dist_cfg(backend: str = 'gloo',
+                       init_backend: str = 'torch',
+                       timeout: Optional[int] = None,
+                       **kwargs) -> tuple:
+    """Check ``env_cfg.dist_cfg`` for CPU training, without starting
+    anything: ``tools/dist_train.sh`` checks it once, before the ranks
+    start (found by an adversarial search: once per rank, then torchrun's
+    traceback).
+
+    Args:
+        backend (str): ``'gloo'``, or ``'mpi'`` where this PyTorch has it;
+            ``'nccl'`` means ``'gloo'``.
+        init_backend (str): Only ``'torch'``.
+        timeout (int, optional): Seconds, positive.
+        **kwargs: Other arguments of
+            :func:`torch.distributed.init_process_group`.
+
+    Returns:
+        tuple: The backend to use, and the keyword arguments for
+        ``init_process_group`` (``timeout`` as a ``timedelta``).
+
+    Raises:
+        MmdtrError: On a value CPU training cannot use.
+    """
+    kwargs = dict(kwargs)
+    kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
+    if backend == 'nccl':
+        backend = 'gloo'
+    if backend not in _available_backends():
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.backend={backend!r} cannot run on CPU here; '
+            f'accepted: {_available_backends()} (or nccl, which means '
+            'gloo).',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
+    if init_backend != 'torch':
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.init_backend={init_backend!r} is not '
+            "supported on CPU; accepted: 'torch'.",
+            hint='leave init_backend out of env_cfg.dist_cfg.')
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not 0 < timeout < MAX_TIMEOUT_S:
+            # above, a raw OverflowError from timedelta (found by an
+            # adversarial search)
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.timeout={timeout!r} is not accepted; '
+                'expected a positive number, below '
+                f'{MAX_TIMEOUT_S:.0f} seconds.',
+                hint='e.g. env_cfg = dict(dist_cfg=dict(timeout=1800)).')
+        kwargs['timeout'] = datetime.timedelta(seconds=timeout)
+    accepted = inspect.signature(torch_dist.init_process_group).parameters
+    for name in kwargs:
+        if name not in accepted or name in ('rank', 'world_size', 'backend'):
+            close = difflib.get_close_matches(name, ['timeout', *accepted], 1)
+            raise MmdtrError(
+                f'env_cfg.dist_cfg.{name}={kwargs[name]!r} is not accepted '
+                '(not an argument of torch.distributed.init_process_group '
+                'that the config may set)' +
+                (f'; closest match: {close[0]!r}.' if close else '.'),
+                hint='see init_cpu_dist in '
+                'mmdtr/adapters/cpu_process_group.py.')
+    return backend, kwargs
+
+
+def dist_cfg_of(env_cfg) -> dict:
+    """``env_cfg.dist_cfg`` as keyword arguments for
+    :func:`init_cpu_dist`; ``None`` for either is left out (MMEngine's
+    default).
+
+    Raises:
+        MmdtrError: If ``env_cfg`` is not a dict with a dict ``dist_cfg``.
+    """
+    env_cfg = env_cfg or {}
+    dist_cfg = env_cfg.get('dist_cfg', None) or {} if isinstance(
+        env_cfg, dict) else None
+    if not isinstance(dist_cfg, dict):
+        raise MmdtrError(
+            f'env_cfg={env_cfg!r} is not accepted: MMEngine takes a dict '
+            'with a dist_cfg dict.',
+            hint="e.g. env_cfg = dict(dist_cfg=dict(backend='gloo')).")
+    return dist_cfg
+
+
+def _env_int(name: str, launcher: str) -> int:
+    value = _env(name, launcher)
+    try:
+        return int(value)
+    except ValueError:
+        raise MmdtrError(
+            f'launcher {launcher!r}: the environment variable {name}='
+            f'{value!r} is not an integer.',
+            hint='start the processes with tools/dist_train.sh (torchrun) '
+            'for --launcher pytorch.') from None
+
+
+def init_cpu_dist(launcher: str,
+                  backend: str = 'gloo',
+                  init_backend: str = 'torch',
+                  timeout: Optional[int] = None,
+                  port: Optional[int] = None,
+                  **kwargs) -> None:
+    """Initialise the default process group for CPU training.
+
+    Like :func:`mmengine.dist.init_dist`, but it never touches CUDA.
+    MMEngine's default backend ``'nccl'`` is replaced by ``'gloo'``.
+
+    Args:
+        launcher (str): ``'pytorch'`` (torchrun), ``'slurm'`` or ``'mpi'``.
+        backend (str): ``'gloo'`` or ``'mpi'``; ``'nccl'`` means ``'gloo'``.
+            Defaults to ``'gloo'``.
+        init_backend (str): Only ``'torch'`` is supported on CPU.
+        timeout (int, optional): Timeout of collectives, in seconds.
+        port (int, optional): Master port for ``'slurm'`` (otherwise the
+            ``MASTER_PORT`` variable, or 29500).
+        **kwargs: Passed to :func:`torch.distributed.init_process_group`.
+
+    Examples:
+        >>> # in a config, as for MMEngine; on CPU nccl becomes gloo
+        >>> env_cfg = dict(dist_cfg=dict(backend='gloo', timeout=1800))
+    """
+    backend, kwargs = check_cpu_dist_cfg(backend, init_backend, timeout,
+                                         **kwargs)
+    if launcher not in _LAUNCHER_ENV:
+        raise MmdtrError(
+            f'launcher={launcher!r} is not supported; accepted: '
+            f'{tuple(_LAUNCHER_ENV)}.',
+            hint='use tools/dist_train.sh, which passes --launcher pytorch.')
+    rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
+    rank, world_size = _env_int(rank_var,
+                                launcher), _env_int(size_var, launcher)
+    if launcher == 'slurm':
+        if port is not None:
+            os.environ['MASTER_PORT'] = str(port)
+        os.environ.setdefault('MASTER_PORT', '29500')
+        if 'MASTER_ADDR' not in os.environ:
+            nodes = _env('SLURM_NODELIST', launcher)
+            os.environ['MASTER_ADDR'] = subprocess.getoutput(
+                f'scontrol show hostname {nodes} | head -n1')
+    elif launcher == 'mpi':
+        os.environ.setdefault('MASTER_PORT', '29500')
+        _env('MASTER_ADDR', launcher)
+    elif kwargs.get('init_method', 'env://') == 'env://':
+        # torchrun sets both; env:// raised a raw ValueError without
+        _env('MASTER_ADDR', launcher)
+        _env_int('MASTER_PORT', launcher)
+    os.environ['RANK'] = str(rank)
+    os.environ['WORLD_SIZE'] = str(world_size)
+    os.environ['LOCAL_RANK'] = os.environ.get(local_var, '0')
+    torch_dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, **kwargs)
+
+
+def close_dist(wait: bool = True) -> None:
+    """Destroy the default process group, after every rank got here.
+
+    ``tools/train.py`` calls it when training ends. A process that exits
+    with its gloo group alive can abort while the interpreter shuts down
+    (gloo's worker threads still hold tensors: "terminate called without an
+    active exception", SIGABRT), which fails the whole torchrun job after
+    training succeeded. Nothing happens without a process group.
+
+    Args:
+        wait (bool): Wait for every rank first (a barrier). ``False`` when
+            this rank failed: the others may never get here, and they fail
+            fast on the closed connection instead of waiting out the
+            collective timeout. Defaults to True.
+    """
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        # DDP wrappers nothing refers to any more go first, while the group
+        # still holds its own reference: a reducer dropping the last one
+        # destroys the gloo group from a finalizer that holds the GIL while
+        # gloo's thread may wait for it (a deadlock seen in torch 2.13)
+        gc.collect()
+        if wait:
+            torch_dist.barrier()
+        torch_dist.destroy_process_group()
