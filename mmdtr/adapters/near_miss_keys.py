@@ -3,10 +3,11 @@ for it: refused when the config is read.
 
 MMEngine ignores a top-level key it does not know, and so would mmdtr:
 a misspelt memory key (``DTR``, ``dtr_cfg``, ``activation_checkpoint``), a
-name users try first (``use_dtr``, ``gradient_checkpointing``), or a setting
-written at the top level instead of inside its section
-(``--cfg-options eviction_threshold=3GB`` for ``dtr.eviction_threshold``).
-Each trained silently without the feature.
+name users try first (``use_dtr``), or a setting written at the top level
+while nothing reads it there (``eviction_threshold='3GB'`` without a ``dtr``
+key). Each trained silently without the feature. A setting given at the
+top level through ``--cfg-options`` is refused by
+:func:`refuse_top_level_settings`.
 """
 import difflib
 import types
@@ -15,11 +16,11 @@ from typing import Iterable, Mapping
 from mmdtr.errors import MmdtrError
 
 #: Other names users give mmdtr's keys.
+#: Only names no other project uses for a variable of its own
+#: (``with_cp``, ``gradient_checkpointing`` are model arguments elsewhere).
 ALIASES = {
     'dtr': ('use_dtr', 'enable_dtr', 'dtr_enabled', 'dtrs'),
-    'activation_checkpointing':
-    ('checkpointing', 'gradient_checkpointing', 'activation_ckpt',
-     'grad_checkpointing', 'with_cp'),
+    'activation_checkpointing': ('activation_ckpt', ),
     'efficient_conv_bn_eval': ('conv_bn_eval', 'efficient_conv_bn'),
 }
 #: A section's setting -> the section that reads it.
@@ -52,16 +53,31 @@ def _meant_key(key: str, names: Iterable[str], cfg) -> str:
     return ''
 
 
-def _section_values(section, setting: str) -> list:
-    """The values of ``setting`` in ``section`` and in its dicts one level
-    down (an ``OptimWrapperDict``'s wrappers)."""
+def _holds(section, setting: str) -> bool:
+    """Whether ``section`` (a dict), or one of its dicts one level down (an
+    ``OptimWrapperDict``'s wrappers), has the key ``setting``."""
     if not isinstance(section, Mapping):
-        return []
-    found = [section[setting]] if setting in section else []
-    return found + [
-        value[setting] for value in section.values()
-        if isinstance(value, Mapping) and setting in value
-    ]
+        return False
+    return setting in section or any(
+        isinstance(value, Mapping) and setting in value
+        for value in section.values())
+
+
+def _read(cfg, setting: str) -> bool:
+    """Whether a config part that takes ``setting`` is there: its section
+    with the key; for DTR's, also a DTRHook in ``custom_hooks`` or
+    ``model_wrapper_cfg.dtr`` (a top-level variable may feed either)."""
+    section = SETTING_SECTIONS[setting]
+    if _holds(cfg.get(section), setting):
+        return True
+    if section != 'dtr':
+        return False
+    hooks = cfg.get('custom_hooks') or ()
+    wrapper = cfg.get('model_wrapper_cfg')
+    return any(
+        isinstance(h, Mapping) and 'DTRHook' in str(h.get('type', ''))
+        for h in hooks if isinstance(hooks, (list, tuple))) or (isinstance(
+            wrapper, Mapping) and wrapper.get('dtr') is not None)
 
 
 def refuse_near_misses(cfg, names: Iterable[str]) -> None:
@@ -69,8 +85,8 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
 
     That is a key like a memory key of ``names`` (misspelt, or one of its
     :data:`ALIASES`) while that key is absent, or a setting of
-    :data:`SETTING_SECTIONS` whose section does not hold the same value (a
-    variable the section reads is left alone).
+    :data:`SETTING_SECTIONS` while nothing that takes it is in the config
+    (a variable its section reads is left alone).
 
     Args:
         cfg (Config): The config as loaded.
@@ -90,12 +106,31 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
                 f'{sorted(names)} and would ignore it.',
                 hint=f'rename it to {meant!r}, or, if it is not meant for '
                 'mmdtr, to a name that does not resemble it.')
-        section = SETTING_SECTIONS.get(key)
-        if section is not None and \
-                cfg[key] not in _section_values(cfg.get(section), key):
-            raise MmdtrError(
-                f'{key}={cfg[key]!r} is a top-level key: it is read only as '
-                f'{section}.{key}, so it would be ignored.',
-                hint=f'give it as {section}.{key} (--cfg-options '
-                f'{section}.{key}=...), or, if it is a variable, use it in '
-                f'{section}.')
+        if key in SETTING_SECTIONS and not _read(cfg, key):
+            raise _misplaced(key, cfg[key])
+
+
+def refuse_top_level_settings(options: Mapping) -> None:
+    """Refuse ``--cfg-options`` that set a setting of
+    :data:`SETTING_SECTIONS` at the top level: a config's variables are
+    resolved when it is read, so such an option reaches nothing (the demo
+    kept its threshold; found by an adversarial search).
+
+    Args:
+        options (Mapping): The options, dotted keys as given.
+
+    Raises:
+        MmdtrError: On the first such option.
+    """
+    for key, value in options.items():
+        if key in SETTING_SECTIONS:
+            raise _misplaced(key, value)
+
+
+def _misplaced(key: str, value) -> MmdtrError:
+    section = SETTING_SECTIONS[key]
+    return MmdtrError(
+        f'{key}={value!r} is a top-level key: mmdtr reads it only as '
+        f'{section}.{key}, so it would be ignored.',
+        hint=f'give it as {section}.{key} (--cfg-options {section}.{key}=...)'
+        f', or, if it is a variable, use it in {section}.')

@@ -11,6 +11,7 @@ from mmengine.config import Config, DictAction
 from mmengine.utils import import_modules_from_strings
 
 from mmdtr.adapters.config_translation import MEMORY_KEY_TRANSLATORS
+from mmdtr.adapters.near_miss_keys import refuse_top_level_settings
 from mmdtr.errors import MmdtrError
 
 #: The config file types :meth:`mmengine.config.Config.fromfile` reads.
@@ -89,6 +90,7 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
         MmdtrError: If an option does not follow the nesting of the config,
             or ``custom_imports`` is malformed or cannot be imported.
     """
+    refuse_top_level_settings(options)
     for name in MEMORY_KEY_TRANSLATORS:
         # `dtr = None` in a file means off; `dtr.x=...` turns it on
         if name in cfg and cfg[name] is None and any(

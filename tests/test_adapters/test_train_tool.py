@@ -163,7 +163,12 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
         # (the first, with no word of recursion: it said nothing to a user)
         (['custom_hooks=[dict(type=mmdtr.DTRHook,eviction_threshold=1GB)]'
           ], r"'custom_hooks=\[dict[^ ]*' cannot be parsed\. Accepted"),
-        (['train_cfg.max_iters=2', 'x=(1,2'], r"'x=\(1,2' cannot be parsed")
+        (['train_cfg.max_iters=2', 'x=(1,2'], r"'x=\(1,2' cannot be parsed"),
+        # a config's variables are resolved when it is read: a section's
+        # setting at the top level reaches nothing (found by an adversarial
+        # search: the demo kept its threshold)
+        (['eviction_threshold=40MB'], 'mmdtr reads it only as '
+         'dtr.eviction_threshold'),
     ])
 def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
     with pytest.raises(MmdtrError, match=match):
