@@ -17,7 +17,6 @@ would recompute (:class:`RecomputeContext`). What the recompute puts back
 as its forward had it (generators, train/eval modes) is in
 :mod:`.recompute_put_back`.
 """
-import itertools
 import weakref
 from contextlib import ExitStack
 from typing import List, Optional, Sequence
@@ -153,25 +152,28 @@ class RecomputeContext:
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
-        written = written_since(self.inputs) or \
-            self.params.written_since(self.generation[0])
-        if written is not None:
+        written = written_since(self.inputs)
+        changed = f'an input (shape {tuple(written.shape)})' if \
+            written is not None else self.params.changed_since(
+                self.generation[0])
+        if changed is not None:
             # found by an adversarial search: a step in backward of a
             # parameter read through .detach() came first, and the
             # recompute silently read the new values
             raise MmdtrError(
-                'activation_checkpointing: a parameter, buffer or input '
-                f'(shape {tuple(written.shape)}) of a checkpointed '
-                f'{self.owner} was written in place between its forward and '
-                'its recomputation in backward (by '
+                f'activation_checkpointing: {changed} of a checkpointed '
+                f'{self.owner} was written in place or replaced between its '
+                'forward and its recomputation in backward (by '
                 'InplaceOptimWrapper(step_in_backward=True) stepping a '
                 'parameter whose gradient was complete before, as one read '
-                'through .detach(), or by an in-place op, such as a frozen '
-                "norm's statistics or a buffer set between forward and "
-                'backward); the recomputation would read the new values.',
-                hint='leave that module unchecked, use '
-                'step_in_backward=False, or write after backward or out of '
-                'place.')
+                'through .detach(), or by code between forward and '
+                "backward, such as a frozen norm's statistics recalibrated "
+                'or a loss updating a buffer); the recomputation would read '
+                'the new values.',
+                hint='leave that module unchecked (or, if its forward does '
+                'not read that tensor, checkpoint the sub-modules that do '
+                'not hold it), use step_in_backward=False, or write after '
+                'backward or out of place.')
         with ExitStack() as stack:  # unwound if the SAC context refuses
             stack.enter_context(self.guard)
             stack.enter_context(self.modes)
@@ -209,6 +211,8 @@ class StateRecord:
     """
 
     def __init__(self):
+        # (weak tensor, version, weak owner, '_parameters' or '_buffers',
+        # name, qualified name) per watched tensor
         self.watched, self.generation = [], 0
 
     def update(
@@ -226,53 +230,75 @@ class StateRecord:
                 whose running statistics are not watched.
         """
         if module is None:
-            tensors = (ref() for ref, _ in self.watched)
-        else:
-            skipped = {
-                id(getattr(norm, name))
-                for norm in norms
-                for name in NORM_BUFFERS
-            }
-            tensors = itertools.chain(module.parameters(),
-                                      (b for b in module.buffers()
-                                       if id(b) not in skipped))
-        self.watched = watch_versions(tensors)
+            self.watched = [(ref, ref()._version, *place)
+                            for ref, _, *place in self.watched
+                            if ref() is not None]
+            return
+        skipped = {
+            id(getattr(norm, name))
+            for norm in norms
+            for name in NORM_BUFFERS
+        }
+        watched = []
+        for prefix, owner in module.named_modules():
+            for table in ('_parameters', '_buffers'):
+                for name, t in getattr(owner, table).items():
+                    if t is None or t.is_inference() or (table == '_buffers'
+                                                         and id(t) in skipped):
+                        continue
+                    watched.append(
+                        (weakref.ref(t), t._version, weakref.ref(owner), table,
+                         name, f'{prefix}.{name}' if prefix else name))
+        self.watched = watched
+
+    def _changed(self) -> Optional[str]:
+        """The qualified name of a watched tensor written in place or
+        replaced (a buffer rebound, found by a review) since the record."""
+        for ref, version, owner_ref, table, name, qualified in self.watched:
+            t, owner = ref(), owner_ref()
+            if owner is not None and getattr(owner, table).get(name) is not t:
+                return qualified
+            if t is not None and t._version != version:
+                return qualified
+        return None
 
     def note_forward(self, module: nn.Module,
                      norms: Sequence[_NormBase]) -> None:
         """At a forward's start: a write since the record is not the
         module's own.
 
-        A tensor written since the record starts a new generation; the
-        record then watches ``module``'s tensors as they are.
+        A tensor written or replaced since the record starts a new
+        generation; the record then watches ``module``'s tensors as they
+        are.
 
         Args:
             module (nn.Module): The checkpointed module.
             norms (Sequence[_NormBase]): Its norm layers that update
                 running statistics (:func:`tracking_norms`).
         """
-        if written_since(self.watched) is not None:
+        if self._changed() is not None:
             self.generation += 1
         self.update(module, norms)
 
-    def written_since(self, generation: int) -> Optional[torch.Tensor]:
-        """A watched tensor written since the record, or since the call of
-        ``generation`` (any one of them: the message names its shape).
+    def changed_since(self, generation: int) -> Optional[str]:
+        """What was written or replaced since the record, or since the call
+        of ``generation``, for a message.
 
         Args:
             generation (int): The record's generation when the call's
                 forward ended.
 
         Returns:
-            Tensor | None: A tensor written in place since the record; if
-            none is but ``generation`` is not the current one, the first
-            watched tensor (None if it is gone); else None.
+            str | None: ``"'conv.weight'"`` for a tensor written or replaced
+            since the record; if none is but ``generation`` is not the
+            current one, a tensor written between the calls; else None.
         """
-        written = written_since(self.watched)
-        if written is None and generation != self.generation:
-            ref = next(iter(self.watched), (lambda: None, 0))[0]
-            written = ref()
-        return written
+        changed = self._changed()
+        if changed is not None:
+            return repr(changed)
+        if generation != self.generation:
+            return 'a parameter or buffer, between two of its calls,'
+        return None
 
 
 #: module -> its :class:`StateRecord`
