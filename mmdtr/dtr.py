@@ -96,10 +96,11 @@ def current_engine():
     return getattr(_local, 'engine', None)
 
 
-def _check_bool(value, key):
+def _check_bool(value, key) -> bool:
     if not isinstance(value, bool):
         raise MmdtrError(f'{key}={value!r} is not a bool.',
                          'Use True or False.')
+    return value
 
 
 #: The module-level switches and the check their values pass at assignment
@@ -118,8 +119,11 @@ class _DTRModule(types.ModuleType):
 
     def __setattr__(self, name, value):
         if name in _SWITCHES:
-            _SWITCHES[name](value, f'mmdtr.dtr.{name}')
-            if is_enabled() and value != getattr(self, name):
+            check = _SWITCHES[name]
+            parsed = check(value, f'mmdtr.dtr.{name}')
+            # the same setting passes ('3GB' is 3221225472; found by a
+            # review)
+            if is_enabled() and parsed != check(getattr(self, name), name):
                 # it took effect at the next enable() only: a change that
                 # seemed applied was not (found by an adversarial search)
                 raise MmdtrError(

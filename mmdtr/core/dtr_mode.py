@@ -220,7 +220,7 @@ class DTR:
                 state.close()
             finally:
                 self._collector()
-        if popped:
+        if popped and exc_type is None:  # else the body's error goes on
             raise MmdtrError(
                 "this DTR engine's dispatch mode was popped by another "
                 'mode\'s exit (torch pops the top mode: one entered before '

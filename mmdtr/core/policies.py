@@ -8,6 +8,7 @@ New policies subclass :class:`EvictionPolicy`; :func:`register_policy`
 makes one reachable by name, from ``DTR(policy=...)`` and from the ``dtr``
 config key.
 """
+import inspect
 from typing import Dict, Optional, Type
 
 from mmdtr.errors import MmdtrError
@@ -169,6 +170,16 @@ def register_policy(cls: Optional[Type[EvictionPolicy]] = None,
         raise MmdtrError(
             f'register_policy({cls.__name__}): it does not implement '
             'score(record, clock).', 'Override score in the class.')
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        # a name builds it with no arguments: a raw TypeError came from
+        # DTR(policy=name) (found by a review)
+        raise MmdtrError(
+            f'register_policy({cls.__name__}): it cannot be built without '
+            'arguments, as a name builds it.',
+            'Give its arguments defaults, or pass an instance to '
+            'DTR(policy=...).') from None
     if name in POLICIES and POLICIES[name] is not cls and not force:
         raise MmdtrError(
             f'register_policy({cls.__name__}): the name {name!r} is taken '

@@ -272,6 +272,7 @@ def test_switches_cannot_change_while_enabled(switches):
     try:
         threshold = dtr.eviction_threshold
         dtr.eviction_threshold = threshold  # the same value: nothing to do
+        dtr.eviction_threshold = parse_size(threshold)  # the same setting
         with pytest.raises(MmdtrError, match='DTR is enabled on this'):
             dtr.eviction_threshold = '1MB'
         with pytest.raises(MmdtrError, match='disable'):

@@ -287,6 +287,10 @@ class _NoName(LRUPolicy):
     (type('_Lazy',
           (EvictionPolicy, ), {'name': 'lazy'}), 'does not implement score'),
     (type('_Clash', (LRUPolicy, ), {'name': 'dtr'}), "'dtr' is taken by"),
+    (type('_Needs', (LRUPolicy, ), {
+        'name': 'needs',
+        '__init__': lambda self, k: None
+    }), 'cannot be built without arguments'),
 ])
 def test_register_policy_refusals(cls, match):
     if match is None:  # the same class again: nothing changes

@@ -136,3 +136,20 @@ def test_an_outer_mode_left_first_does_not_leave_dtr_stuck():
         dtr.eviction_threshold = None
         while _get_current_dispatch_mode_stack():  # the one left entered
             _pop_mode()
+
+
+def test_the_body_error_goes_on_when_dtr_mode_was_popped():
+    # the engine's report replaced the error of the with body (a review)
+    from torch.utils._python_dispatch import _pop_mode
+    from torch.utils.flop_counter import FlopCounterMode
+    flops = FlopCounterMode(display=False)
+    flops.__enter__()
+    try:
+        with pytest.raises(KeyError, match='the body'):
+            with DTR(eviction_threshold='1GB') as engine:
+                flops.__exit__(None, None, None)  # pops DTR's mode
+                raise KeyError('the body')
+        assert not engine.active and not dtr.engine_active()
+    finally:
+        while _get_current_dispatch_mode_stack():
+            _pop_mode()
