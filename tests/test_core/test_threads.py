@@ -1,6 +1,8 @@
-"""A graph backpropagated in another thread while the engine's thread goes
-on (R12)."""
+"""Engines and threads (R12): a graph backpropagated in another thread while
+the engine's thread goes on, engines in two threads, per-thread state."""
 import os
+import queue
+import sys
 import threading
 
 import pytest
@@ -9,6 +11,13 @@ import torch
 from mmdtr.dtr import DTR
 
 _WAKE = {}
+
+
+def assert_thread_clean():
+    from mmdtr import dtr
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not dtr.is_enabled() and dtr.current_engine() is None
 
 
 class _Unwrapping(torch.Tensor):
@@ -122,3 +131,95 @@ def test_engine_active_is_per_thread_and_covers_both_ways_in():
         dtr.disable()
         dtr.eviction_threshold = None
     assert not dtr.engine_active()
+
+
+def test_backward_in_another_thread_while_the_engine_runs():
+    # a graph built under the engine, backpropagated by a worker thread
+    # while the engine's thread goes on: unpacks, rebuilds and frees came
+    # from both threads at once and broke the engine's tables (IndexError,
+    # a candidate's cdata None; found by an adversarial search); the
+    # state's lock serializes them (R12)
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(8)]
+    xs = [torch.randn(32, 64) for _ in range(60)]
+
+    def loss_of(x):
+        h = x
+        for w in ws:
+            h = (h @ w).tanh()
+        return h.pow(2).sum()
+
+    refs = [torch.autograd.grad(loss_of(x), ws) for x in xs]
+    losses, grads, errors = queue.Queue(), {}, []
+
+    def work():
+        while (item := losses.get()) is not None:
+            try:
+                grads[item[0]] = torch.autograd.grad(item[1], ws)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=work)
+    try:
+        thread.start()
+        with DTR(eviction_threshold=30000, evictee_minimum_size=1) as e:
+            for i, x in enumerate(xs):
+                losses.put((i, loss_of(x)))
+            losses.put(None)
+            thread.join()
+    finally:
+        losses.put(None)
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    assert sorted(grads) == list(range(len(xs)))
+    for i, ref in enumerate(refs):
+        assert all(torch.equal(a, b) for a, b in zip(grads[i], ref)), i
+    assert e.stats.recomputations > 0
+    assert_thread_clean()
+
+
+_HANDED = {}
+
+
+@torch.library.custom_op('mmdtr_tests::drop_handed', mutates_args=())
+def _drop_handed(x: torch.Tensor, who: str) -> torch.Tensor:
+    _HANDED['barrier'].wait()  # both threads inside an op of their engine
+    _HANDED.pop(who)  # the last reference to the other engine's storage
+    return x.clone()
+
+
+def test_engines_in_two_threads_freeing_each_others_storages():
+    # with a lock per engine, each thread held its own while the other's
+    # storage it freed waited for the other's: a deadlock (found by a
+    # review); one lock for all engines, let go while a kernel runs
+    _HANDED['barrier'] = threading.Barrier(2, timeout=5)
+    ready = {name: threading.Event() for name in 'AB'}
+    go, errors = threading.Event(), []
+
+    def work(name, other):
+        try:
+            with DTR(eviction_threshold='1GB', device='cpu'):
+                _HANDED[other] = torch.randn(1 << 16)  # counted here
+                ready[name].set()
+                go.wait()
+                _drop_handed(torch.ones(4), name)  # made by the other
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=work, args=pair, daemon=True)
+        for pair in (('A', 'B'), ('B', 'A'))
+    ]
+    for thread in threads:
+        thread.start()
+    for event in ready.values():
+        assert event.wait(10)
+    go.set()
+    for thread in threads:
+        thread.join(20)
+    assert not any(thread.is_alive() for thread in threads), 'deadlock'
+    assert not errors, errors[0]
+    assert_thread_clean()
