@@ -94,8 +94,23 @@ class _CheckedRecompute:
                                        'after the module returned')
         return self.recompute_context.__enter__()
 
-    def __exit__(self, *exc_info):
-        return self.recompute_context.__exit__(*exc_info)
+    def __exit__(self, exc_type, exc, tb):
+        suppressed = self.recompute_context.__exit__(exc_type, exc, tb)
+        if isinstance(exc, RuntimeError) and \
+                'not found in storage' in str(exc):
+            # PyTorch's SAC meets a cast its forward took from autocast's
+            # cache (a module called twice, a weight cast before it): its
+            # message names neither (found by an adversarial search)
+            raise MmdtrError(
+                f'activation_checkpointing: the recompute of a checkpointed '
+                f'{self.owner} under a selective policy ran an op its '
+                f'forward did not ({str(exc).split(" encountered")[0]}); '
+                "under autocast, PyTorch's selective checkpointing fails so "
+                'when the forward took a cast from autocast\'s cache (a '
+                'module called twice, or a weight cast before it).',
+                hint='give that module policy=None, or use '
+                'torch.autocast(..., cache_enabled=False).') from exc
+        return suppressed
 
 
 @contextmanager

@@ -1,9 +1,12 @@
 """Selective checkpointing policies: what a policy may keep, and when."""
 import pytest
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from mmdtr.errors import MmdtrError
+from mmdtr.techniques.activation_checkpointing import \
+    apply_activation_checkpointing
 from mmdtr.techniques.selective_policy import normalize_policy, save_policy
 
 
@@ -53,3 +56,23 @@ def test_attention_is_kept_only_without_dropout(args, kwargs, decision):
     assert policy(None, mm, q, q) is CheckpointPolicy.MUST_SAVE
     assert policy(None, torch.ops.aten.relu.default,
                   q) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_cast_taken_from_autocasts_cache_is_explained():
+    # PyTorch's own error named neither the module nor the cause (found by
+    # an adversarial search: a shared Linear under the AMP wrapper)
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    apply_activation_checkpointing(
+        nn.ModuleDict(dict(s=shared)), ['s'], policy='save_matmuls')
+    x = torch.randn(4, 8)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y = shared(nn.functional.gelu(shared(x)))  # the weight cast once
+    with pytest.raises(
+            MmdtrError,
+            match="Linear 's' under a selective .*"
+            'cache_enabled=False'):
+        y.float().sum().backward()
+    with torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
+        y = shared(nn.functional.gelu(shared(x)))
+    y.float().sum().backward()  # as the hint says
