@@ -98,7 +98,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.device = self.cuda = None
         if device is not None:
             self._meter_device(torch.device(device))
-        # StorageImpl pointer (_cdata) -> StorageRecord (R11)
+        # StorageImpl pointer (_cdata) -> StorageRecord (R2, R11)
         self.records = {}
         # StorageImpl pointer -> StorageRef: unrecorded replay outputs (R11)
         self.transients = {}
