@@ -114,6 +114,8 @@ def _run_table(records: List[dict], extra: str) -> List[str]:
             status += ' (threshold not held: nothing evictable at times)'
         if r.get('lost_repeats'):
             status += f" ({r['lost_repeats']} repeat(s) failed, not pooled)"
+        if r.get('round_counts'):
+            status += ' (per round: ' + _rounds(r['round_counts']) + ')'
         lines.append(
             f"| {r['name']} | {_threshold(r)} | {_mib(r.get('peak_engine'))}"
             f" | {_mib(r.get('peak_independent'))} | "
@@ -125,6 +127,19 @@ def _run_table(records: List[dict], extra: str) -> List[str]:
             f"{extra_cell + ' | ' if extra else ''}"
             f"{status.replace('|', '/')} |")
     return lines
+
+
+def _rounds(round_counts: list) -> str:
+    """The figures that differ between repeat rounds, each round's in
+    order: ``'evictions 42/44'`` (the table shows the first round's)."""
+    varied = [
+        key for key in round_counts[0]
+        if any(r.get(key) != round_counts[0].get(key) for r in round_counts)
+    ]
+    return '; '.join(
+        f"{key.replace('_', ' ')} " + '/'.join(
+            _mib(r.get(key)) if key == 'peak_engine' else _num(r.get(key))
+            for r in round_counts) for key in varied)
 
 
 def _step(record: Optional[dict], fastest: bool) -> Optional[float]:

@@ -201,6 +201,12 @@ class BenchmarkSuite(LargestBatchSearch):
         record['step_times_s'] = record['step_times_s'] + more['step_times_s']
         record['median_step_s'] = statistics.median(record['step_times_s'])
         record['repeats'] = repeat
+        # the per-step counts shown are the first round's: where another
+        # round's differ, each round's are kept for the report
+        rounds = record.get('round_counts') or [_counts(record)]
+        record['round_counts'] = rounds + [_counts(more)]
+        if all(r == rounds[0] for r in record['round_counts']):
+            del record['round_counts']
 
     def baseline(self, bar: Progress) -> dict:
         """The run without any technique (engine-metered in an extra step).
@@ -316,3 +322,12 @@ class BenchmarkSuite(LargestBatchSearch):
         self.launcher.run(spec, 'priming')
         bar.update()
         bar.close()
+
+
+#: The per-step figures of a run that a repeat round may change.
+COUNTS = ('peak_engine', 'evictions', 'recomputations', 'eviction_failures')
+
+
+def _counts(record: dict) -> dict:
+    """A round's per-step figures (:data:`COUNTS`)."""
+    return {key: record.get(key) for key in COUNTS}
