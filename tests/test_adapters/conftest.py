@@ -15,6 +15,7 @@ import os.path as osp
 import socket
 import subprocess
 import sys
+import textwrap
 import uuid
 
 import pytest
@@ -322,3 +323,28 @@ class SeededToyImages(Dataset):
 def seeded_toy_images():
     """The class registered as ``SeededToyImages``."""
     return SeededToyImages
+
+
+# No custom_imports here: the tests give it through --cfg-options.
+TOY_CONFIG = '''
+model = dict(type='ToyClassifier')
+train_dataloader = dict(
+    dataset=dict(type='ToyClassDataset', size=16),
+    sampler=dict(type='DefaultSampler', shuffle=True),
+    batch_size=4,
+    num_workers=0,
+    collate_fn=dict(type='default_collate'))
+train_cfg = dict(by_epoch=False, max_iters=100)
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9))
+default_hooks = dict(
+    checkpoint=dict(type='CheckpointHook', interval=1, by_epoch=False))
+randomness = dict(seed=0)
+'''
+
+
+@pytest.fixture
+def toy_config(tmp_path):
+    """A config file of ToyClassifier for 100 iterations, in ``tmp_path``."""
+    config = tmp_path / 'toy_cfg.py'
+    config.write_text(textwrap.dedent(TOY_CONFIG))
+    return str(config)
