@@ -47,8 +47,8 @@ from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
-                               state_record, tracking_norms, watch_buffers,
-                               watch_versions, written_buffer, written_since)
+                               state_record, tracking_norms, watch_versions,
+                               written_since)
 from .recompute_put_back import GeneratorStates, TrainingModes
 from .selective_policy import (normalize_policy, save_policy,
                                written_kept_output)
@@ -203,7 +203,6 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
                                    TrainingModes(self), policy,
                                    forward_contexts, owner, watched_inputs,
                                    params, generation)
-    buffers = watch_buffers(self, norms)
     # no early stop: an op that writes a tensor it saved (rrelu's noise) is
     # cut off by it in the recompute, leaving that tensor unwritten. Said
     # per call where torch takes it: the switch is process-wide
@@ -237,9 +236,9 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
     watched_inputs += inputs
+    written = params.written_buffer()  # by the forward itself
     params.update(self, norms)
     generation[0] = params.generation
-    written = written_buffer(buffers)
     if written is not None:
         raise MmdtrError(
             f'activation_checkpointing: a checkpointed {owner}'

@@ -9,7 +9,7 @@ Whatever that forward writes besides its outputs is written twice:
   their outputs do not depend on them;
 - any other buffer (an EMA, a call counter): the recompute would read the
   updated value, so its activations and gradients would differ; it is
-  refused (:func:`watch_buffers`, :func:`written_buffer`).
+  refused (:meth:`StateRecord.written_buffer`).
 
 And what the recompute reads must not have changed since the forward: a
 parameter or input written in place in between is refused when backward
@@ -234,33 +234,55 @@ class StateRecord:
                             for ref, _, *place in self.watched
                             if ref() is not None]
             return
-        skipped = {
-            id(getattr(norm, name))
-            for norm in norms
-            for name in NORM_BUFFERS
-        }
+        guarded = {id(norm) for norm in norms}
         watched = []
         for prefix, owner in module.named_modules():
             for table in ('_parameters', '_buffers'):
                 for name, t in getattr(owner, table).items():
-                    if t is None or t.is_inference() or (table == '_buffers'
-                                                         and id(t) in skipped):
+                    if t is None or t.is_inference() or (
+                            table == '_buffers' and id(owner) in guarded
+                            and name in NORM_BUFFERS):
                         continue
                     watched.append(
                         (weakref.ref(t), t._version, weakref.ref(owner), table,
                          name, f'{prefix}.{name}' if prefix else name))
         self.watched = watched
 
-    def _changed(self) -> Optional[str]:
-        """The qualified name of a watched tensor written in place or
-        replaced (a buffer rebound, found by a review) since the record."""
-        for ref, version, owner_ref, table, name, qualified in self.watched:
+    def _first_changed(self, tables=('_parameters', '_buffers')):
+        """The entry of the first watched tensor of ``tables`` written in
+        place or replaced (a buffer rebound, found by a review) since the
+        record, or None."""
+        for entry in self.watched:
+            ref, version, owner_ref, table, name, _ = entry
+            if table not in tables:
+                continue
             t, owner = ref(), owner_ref()
             if owner is not None and getattr(owner, table).get(name) is not t:
-                return qualified
+                return entry
             if t is not None and t._version != version:
-                return qualified
+                return entry
         return None
+
+    def _changed(self) -> Optional[str]:
+        """The qualified name of a watched tensor changed since the record,
+        or None."""
+        entry = self._first_changed()
+        return None if entry is None else entry[-1]
+
+    def written_buffer(self) -> Optional[str]:
+        """``'Owner.name'`` of a buffer written in place or replaced since
+        the record, or None: after a forward, before :meth:`update`, one
+        the forward itself updated (an EMA, a counter), which its recompute
+        would read updated and update again.
+
+        Returns:
+            str | None: The first such buffer's ``'Owner.name'``, or None.
+        """
+        entry = self._first_changed(('_buffers', ))
+        if entry is None:
+            return None
+        owner = entry[2]()
+        return f'{type(owner).__name__}.{entry[4]}'
 
     def note_forward(self, module: nn.Module,
                      norms: Sequence[_NormBase]) -> None:
@@ -319,45 +341,3 @@ def state_record(module: nn.Module) -> StateRecord:
     if record is None:
         record = _STATE_VERSIONS[module] = StateRecord()
     return record
-
-
-def watch_buffers(module: nn.Module, norms: List[_NormBase]) -> list:
-    """``(owner, name, buffer, version)`` of each buffer in ``module``
-    that the recompute would write again: all but the running statistics
-    of ``norms`` (inference tensors have no version to read).
-
-    Args:
-        module (nn.Module): The checkpointed module; its buffers and its
-            descendants' are watched.
-        norms (list[_NormBase]): The norm layers whose
-            :data:`NORM_BUFFERS` :class:`RunningStatsGuard` guards.
-
-    Returns:
-        list[tuple]: ``(owner, name, buffer, version)`` per watched buffer.
-    """
-    guarded = {id(norm) for norm in norms}
-    watched = []
-    for owner in module.modules():
-        for name, buffer in owner._buffers.items():
-            if buffer is None or buffer.is_inference() or (
-                    id(owner) in guarded and name in NORM_BUFFERS):
-                continue
-            watched.append((owner, name, buffer, buffer._version))
-    return watched
-
-
-def written_buffer(watched: list) -> Optional[str]:
-    """``'Owner.name'`` of a watched buffer the forward wrote in place or
-    replaced since :func:`watch_buffers`, or ``None``.
-
-    Args:
-        watched (list): The entries of :func:`watch_buffers`.
-
-    Returns:
-        str | None: The first such buffer's ``'Owner.name'``, or None.
-    """
-    for owner, name, buffer, version in watched:
-        if owner._buffers.get(name) is not buffer or \
-                buffer._version != version:
-            return f'{type(owner).__name__}.{name}'
-    return None
