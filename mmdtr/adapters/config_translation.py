@@ -195,7 +195,8 @@ def _custom_hooks(value, default_scope) -> list:
                 hint="e.g. dict(type='mmdtr.DTRHook', "
                 "eviction_threshold='5GB').")
         check_scoped_type(f'custom_hooks[{i}]', hook, HOOKS, default_scope)
-        _check_hook_type(i, hook['type'])
+        check_registered_type(f'custom_hooks[{i}]', hook['type'], HOOKS,
+                              'hook')
         if 'priority' in hook:
             try:
                 if isinstance(hook['priority'], bool):  # an int to MMEngine
@@ -210,19 +211,29 @@ def _custom_hooks(value, default_scope) -> list:
     return list(value)
 
 
-def _check_hook_type(i: int, name) -> None:
-    """Refuse a hook type that is not registered and is mmdtr's
-    (``'mmdtr.X'``) or close to one of mmdtr's hooks; other scopes are
-    left to MMEngine (their registries may not be imported yet)."""
-    if not isinstance(name, str) or HOOKS.get(name) is not None:
+def check_registered_type(where: str, name, registry, kind: str) -> None:
+    """Refuse a type that is not registered and is mmdtr's (``'mmdtr.X'``)
+    or close to one of mmdtr's; other scopes are left to MMEngine (their
+    registries may not be imported yet).
+
+    Args:
+        where (str): The config key, for the message.
+        name: The ``type`` given; only names (strings) are checked.
+        registry (Registry): mmdtr's registry of that kind.
+        kind (str): What it registers, for the message (``'hook'``).
+
+    Raises:
+        MmdtrError: On such a type, naming the closest match.
+    """
+    if not isinstance(name, str) or registry.get(name) is not None:
         return
     scope, _, short = name.rpartition('.')
-    ours = sorted(HOOKS.module_dict)
+    ours = sorted(registry.module_dict)
     close = difflib.get_close_matches(short, ours, n=1, cutoff=0.8)
     if scope == 'mmdtr' or close:
         raise MmdtrError(
-            f'custom_hooks[{i}]: type={name!r} is not a registered hook.',
-            hint=f"mmdtr's hooks are {ours}" +
+            f'{where}: type={name!r} is not a registered {kind}.',
+            hint=f"mmdtr's {kind}s are {ours}" +
             (f'; closest match: {close[0]!r}.' if close else '.'))
 
 

@@ -17,7 +17,6 @@ Either way there is one engine per process, entered for the forward and
 backward of each training iteration only (for its whole ``train_step`` with
 several optimizers; see :class:`DTRTrainStep`).
 """
-import difflib
 import functools
 from typing import Optional, Union
 
@@ -27,8 +26,9 @@ from mmengine.runner import BaseLoop
 from mmdtr.dtr import DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
-from .config_translation import (check_scoped_type, config_check, hook_name,
-                                 memory_key, refuse_unless_dict)
+from .config_translation import (check_registered_type, check_scoped_type,
+                                 config_check, hook_name, memory_key,
+                                 refuse_unless_dict)
 from .dtr_model_wrapper import DTRDistributedDataParallel
 from .dtr_train_step import DTRTrainStep, dtr_settings, model_device
 
@@ -166,26 +166,15 @@ def _wrapper_class(wrapper_type) -> Optional[type]:
     """The class ``model_wrapper_cfg.type`` names, or None if unknown.
 
     Raises:
-        MmdtrError: If it names mmdtr's scope (``'mmdtr.X'``) and mmdtr has
-            no such wrapper: a typo, accepted before and failing in every
-            rank.
+        MmdtrError: If it is not registered and names mmdtr's scope
+            (``'mmdtr.X'``) or is close to one of mmdtr's wrappers: a typo,
+            accepted before and failing in every rank.
     """
     if not isinstance(wrapper_type, str):
         return wrapper_type
-    cls = MODEL_WRAPPERS.get(wrapper_type)
-    if cls is None and wrapper_type.startswith('mmdtr.'):
-        ours = [
-            name for name, klass in MODEL_WRAPPERS.module_dict.items()
-            if klass.__module__.startswith('mmdtr.')
-        ]
-        close = difflib.get_close_matches(
-            wrapper_type.split('.', 1)[1], ours, n=1)
-        raise MmdtrError(
-            f'model_wrapper_cfg.type={wrapper_type!r} is not a wrapper of '
-            f"mmdtr's; registered: {sorted(ours)}" +
-            (f', closest match: {close[0]!r}.' if close else '.'),
-            hint="e.g. type='mmdtr.DTRDistributedDataParallel'.")
-    return cls
+    check_registered_type('model_wrapper_cfg', wrapper_type, MODEL_WRAPPERS,
+                          'model wrapper')
+    return MODEL_WRAPPERS.get(wrapper_type)
 
 
 def _is_dtr_wrapper(cls) -> bool:
