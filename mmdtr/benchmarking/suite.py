@@ -203,7 +203,8 @@ class BenchmarkSuite(LargestBatchSearch):
         record['repeats'] = repeat
         # the per-step counts shown are the first round's: where another
         # round's differ, each round's are kept for the report
-        rounds = record.get('round_counts') or [_counts(record)]
+        # (dropped while every round so far agreed with the first)
+        rounds = record.get('round_counts') or [_counts(record)] * (repeat - 1)
         record['round_counts'] = rounds + [_counts(more)]
         if all(r == rounds[0] for r in record['round_counts']):
             del record['round_counts']

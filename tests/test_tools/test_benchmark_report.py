@@ -262,3 +262,12 @@ def test_counts_that_vary_between_rounds_are_shown(canned_launcher):
     _, rows = _rows(TARGETED, copy.deepcopy(records))
     assert f'(per round: evictions {_num(first)}/{_num((first or 0) + 2)})' \
         in rows['baseline']
+    # a third round after an agreeing second keeps every round in order
+    launcher.run = lambda spec, name='run': dict(
+        real(spec, name), evictions=7) if name == 'baseline (repeat 3)' else \
+        real(spec, name)
+    suite = BenchmarkSuite(
+        launcher, False, 3, config=RESNET, batch_size=2, device='cpu')
+    (baseline, *_) = suite.sweep(fractions=())
+    assert [r['evictions'] for r in baseline['round_counts']] == \
+        [first, first, 7]
