@@ -133,13 +133,12 @@ def _rounds(round_counts: list) -> str:
     """The figures that differ between repeat rounds, each round's in
     order: ``'evictions 42/44'`` (the table shows the first round's)."""
     varied = [
-        key for key in round_counts[0]
-        if any(r.get(key) != round_counts[0].get(key) for r in round_counts)
+        key for key in round_counts[0] if any(
+            r.get(key) != round_counts[0].get(key) for r in round_counts)
     ]
-    return '; '.join(
-        f"{key.replace('_', ' ')} " + '/'.join(
-            _mib(r.get(key)) if key == 'peak_engine' else _num(r.get(key))
-            for r in round_counts) for key in varied)
+    return '; '.join(f"{key.replace('_', ' ')} " + '/'.join(
+        _mib(r.get(key)) if key == 'peak_engine' else _num(r.get(key))
+        for r in round_counts) for key in varied)
 
 
 def _step(record: Optional[dict], fastest: bool) -> Optional[float]:
