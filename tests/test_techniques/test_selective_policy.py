@@ -1,4 +1,6 @@
 """Selective checkpointing policies: what a policy may keep, and when."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -58,21 +60,35 @@ def test_attention_is_kept_only_without_dropout(args, kwargs, decision):
                   q) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_a_cast_taken_from_autocasts_cache_is_explained():
+def test_a_cast_taken_from_autocasts_cache_is_explained_or_exact():
     # PyTorch's own error named neither the module nor the cause (found by
-    # an adversarial search: a shared Linear under the AMP wrapper)
+    # an adversarial search: a shared Linear under the AMP wrapper). Torch
+    # 2.13 checks every op of the recompute against the forward's and fails;
+    # torch 2.11 (seen on the H100) recomputes the cast and runs: then the
+    # gradients must be those of the module without checkpointing
+    def step(module, **autocast):
+        torch.manual_seed(0)
+        x = torch.randn(4, 8)
+        with torch.autocast('cpu', dtype=torch.bfloat16, **autocast):
+            y = module(nn.functional.gelu(module(x)))  # the weight cast once
+        y.float().sum().backward()
+        grads = [p.grad for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+        return grads
+
     torch.manual_seed(0)
     shared = nn.Linear(8, 8)
+    eager = step(shared)
     apply_activation_checkpointing(
         nn.ModuleDict(dict(s=shared)), ['s'], policy='save_matmuls')
-    x = torch.randn(4, 8)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        y = shared(nn.functional.gelu(shared(x)))  # the weight cast once
-    with pytest.raises(
-            MmdtrError,
-            match="Linear 's' under a selective .*"
-            'cache_enabled=False'):
-        y.float().sum().backward()
-    with torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
-        y = shared(nn.functional.gelu(shared(x)))
-    y.float().sum().backward()  # as the hint says
+    try:
+        grads = step(shared)
+    except MmdtrError as exc:
+        assert re.search("Linear 's' under a selective .*cache_enabled=False",
+                         str(exc))
+    else:
+        assert all(map(torch.equal, grads, eager))
+    uncached = step(shared, cache_enabled=False)  # as the hint says
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 8)
+    assert all(map(torch.equal, uncached, step(plain, cache_enabled=False)))
