@@ -19,8 +19,8 @@ from .accounting import Accounting
 from .arguments import SPARSE_LAYOUTS, argument_storages, tensors_in
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
-from .op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE,
-                           batch_norm_in_training, get_arg, op_info)
+from .op_semantics import (batch_norm_in_training, get_arg, op_info,
+                           same_bits_on_replay)
 from .policies import keeps_evicted_classes
 from .recipes import AllocNode, Recipes
 from .records import _PLAIN, WeakList, managed
@@ -66,13 +66,6 @@ def _has_storage(t) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
-
-
-def _same_bits_on_replay(determinism: str) -> bool:
-    """Whether an op gives the same bits when replayed (R4)."""
-    return determinism == ALWAYS or (
-        determinism == IN_DETERMINISTIC_MODE
-        and torch.are_deterministic_algorithms_enabled())
 
 
 class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
@@ -160,8 +153,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info)
         declared = writes[:n_declared]
-        replayable = info.replayable and _same_bits_on_replay(
-            info.cuda_determinism if self.cuda else info.cpu_determinism)
+        # judged by the devices it ran on, not the metered one (R4)
+        devices = [rec.device.type for _, rec in new]
+        devices += [w.device.type for w in declared]
+        replayable = info.replayable and same_bits_on_replay(info, devices)
         target = self._mutation_target(declared, info.full_overwrite) \
             if declared else None
         record_creator = bool(new) and torch.is_grad_enabled()

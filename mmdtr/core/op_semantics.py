@@ -251,6 +251,34 @@ def _classify(func) -> OpInfo:
         lifts_fresh=name == 'lift_fresh')
 
 
+def same_bits_on_replay(info: OpInfo, device_types) -> bool:
+    """Whether a call of the op gives the same bits when replayed, judged by
+    the kernels of each device type it ran on (R4): those of its new outputs
+    and written tensors, whatever device the engine meters.
+
+    Args:
+        info (OpInfo): The op's facts.
+        device_types (Iterable[str]): ``torch.device.type`` of each tensor
+            the call allocated or wrote.
+
+    Returns:
+        bool: True if every device's kernels replay the same bits now; a
+        device other than CPU or CUDA counts as unknown, so not (R4).
+    """
+    for device_type in device_types:
+        if device_type == 'cuda':
+            determinism = info.cuda_determinism
+        elif device_type == 'cpu':
+            determinism = info.cpu_determinism
+        else:
+            return False
+        if determinism != ALWAYS and (
+                determinism != IN_DETERMINISTIC_MODE
+                or not torch.are_deterministic_algorithms_enabled()):
+            return False
+    return True
+
+
 def get_arg(info: OpInfo, args, kwargs, index: int):
     """Return argument ``index`` of a call, positional or keyword."""
     if index < len(args):

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from mmdtr.core.cuda_meter import CudaAllocatedBytes
+from mmdtr.core.engine import EngineState
+from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
 
 pytestmark = pytest.mark.skipif(
@@ -130,6 +132,24 @@ def test_cpu_code_on_a_cuda_machine_is_metered_on_cpu():
             h = torch.tanh(h @ w)
         h.sum().backward()
     assert engine.stats.evictions > 0
+
+
+def test_a_cuda_op_where_the_engine_meters_cpu_is_judged_by_its_kernels():
+    # CUDA's index_add sums with atomics, in another order on each call: a
+    # scope metered on CPU took the CPU kernel's class and recorded a
+    # recipe for it (found by a review; R4)
+    assert not torch.are_deterministic_algorithms_enabled()
+    state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
+    x = torch.randn(64, 8, device=CUDA, requires_grad=True)
+    index = torch.randint(0, 4, (64, ), device=CUDA)
+    args = (torch.zeros(4, 8, device=CUDA), 0, index, x)
+    with state.lock:  # as the dispatch mode calls it (R12)
+        out = state.on_op(torch.ops.aten.index_add.default, args, {})
+        doubled = state.on_op(torch.ops.aten.mul.Tensor, (x, x), {})
+    assert state.device.type == 'cpu'
+    records = state.records
+    assert records[out.untyped_storage()._cdata].creator is None
+    assert records[doubled.untyped_storage()._cdata].creator is not None
 
 
 def test_the_meter_reads_memory_allocated_without_flattening():

@@ -1,7 +1,7 @@
 """Static facts about ops (mmdtr/core/op_semantics.py), checked against
 what eager PyTorch does."""
 import platform
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 from mmdtr.core.engine import EngineState
 from mmdtr.core.op_semantics import (ALWAYS, IN_DETERMINISTIC_MODE, NEVER,
                                      _cpu_classes, op_info,
-                                     replayed_conv_may_change_kernel)
+                                     replayed_conv_may_change_kernel,
+                                     same_bits_on_replay)
 from mmdtr.core.policies import build_policy
 from mmdtr.dtr import DTR
 
@@ -147,15 +148,18 @@ def test_convolutions_are_kept_where_a_replay_may_take_another_kernel():
     } == replayed
 
 
-@pytest.mark.parametrize('cuda', [False, True])
+@pytest.mark.parametrize('metered_cuda', [False, True])
 @pytest.mark.parametrize('deterministic', [False, True])
-def test_keeps_what_a_replay_would_compute_other_bits_of(cuda, deterministic):
-    # an atomics-based CUDA kernel sums in another order on each call, and
+def test_keeps_what_a_replay_would_compute_other_bits_of(
+        metered_cuda, deterministic):
     # index_put with duplicate indices writes them in any order, also on
-    # CPU: a rebuild of their output gave a gradient of another loss (R4)
+    # CPU: a rebuild of its output gave a gradient of another loss (R4).
+    # The CPU kernels' classes decide for CPU ops also where the engine
+    # meters CUDA (it took the metered device's classes: a CUDA op in a
+    # scope metered on CPU was judged by CPU kernels; found by a review)
     state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
-    if cuda:
-        state.cuda = True  # the CUDA classes, driven on CPU
+    if metered_cuda:
+        state.cuda = True
         state.start_cuda_meter(SimpleNamespace(read=lambda: 0, peak=0))
     x = torch.randn(64, 8, requires_grad=True)
     index = torch.randint(0, 4, (64, ))
@@ -165,15 +169,35 @@ def test_keeps_what_a_replay_would_compute_other_bits_of(cuda, deterministic):
             out = state.on_op(op, args, {})
         return state.records[out.untyped_storage()._cdata].creator
 
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+    with _deterministic_algorithms(deterministic):
         assert creator(A.mul.Tensor, x, x) is not None
-        added = creator(A.index_add.default, torch.zeros(4, 8), 0, index, x)
-        assert (added is not None) == (deterministic or not cuda)
+        assert creator(A.index_add.default, torch.zeros(4, 8), 0, index,
+                       x) is not None  # CUDA's kernel sums in any order
         put = creator(A.index_put.default, torch.zeros(4, 8), [index], x)
         assert (put is not None) == deterministic
-        assert (creator(A.histc.default, x.detach(), 8) is None) == cuda
+        assert creator(A.histc.default, x.detach(), 8) is not None
+
+
+@pytest.mark.parametrize('deterministic', [False, True])
+def test_each_device_the_call_ran_on_decides_by_its_kernels(deterministic):
+    # an atomics-based CUDA kernel sums in another order on each call
+    index_add, mul = op_info(A.index_add.default), op_info(A.mul.Tensor)
+    with _deterministic_algorithms(deterministic):
+        assert same_bits_on_replay(index_add, ['cpu'])
+        assert same_bits_on_replay(index_add, ['cuda']) == deterministic
+        assert same_bits_on_replay(index_add, ['cpu', 'cuda']) == deterministic
+        assert not same_bits_on_replay(op_info(A.histc.default), ['cuda'])
+        assert same_bits_on_replay(op_info(A.histc.default), ['cpu'])
+        assert same_bits_on_replay(mul, ['cpu', 'cuda'])
+        assert not same_bits_on_replay(mul, ['cpu', 'xpu'])  # unknown: kept
+
+
+@contextmanager
+def _deterministic_algorithms(enabled):
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
