@@ -83,8 +83,11 @@ _OTHER_CONV_KERNEL_MACHINES = ('arm', 'aarch64', 'riscv')
 def _cpu_classes(keep_convolutions: bool) -> dict:
     """The CPU classes that differ from ``ALWAYS``."""
     classes = dict.fromkeys(_INDEX_PUTS, IN_DETERMINISTIC_MODE)
+    # linalg_lstsq: its default CPU driver (gelsy) gave up to 9 results in
+    # 25 calls on the same inputs (found by an adversarial search)
     classes.update(
-        dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d'), NEVER))
+        dict.fromkeys(('put', 'max_unpool2d', 'max_unpool3d', 'linalg_lstsq'),
+                      NEVER))
     if keep_convolutions:
         classes.update(dict.fromkeys(_CONVOLUTIONS, NEVER))
     return classes
@@ -120,7 +123,8 @@ _CUDA_CLASSES.update(
          'upsample_bicubic2d_backward', '_upsample_bicubic2d_aa_backward',
          'upsample_trilinear3d_backward', 'reflection_pad1d_backward',
          'reflection_pad2d_backward', 'reflection_pad3d_backward',
-         'grid_sampler_2d_backward', 'grid_sampler_3d_backward'), NEVER))
+         'grid_sampler_2d_backward', 'grid_sampler_3d_backward',
+         'linalg_lstsq'), NEVER))  # lstsq: as on CPU, unsure (not tested)
 #: ``scatter`` with a ``reduce`` argument has no deterministic CUDA kernel
 _CUDA_NEVER_OVERLOADS = frozenset({('scatter', 'reduce'),
                                    ('scatter', 'value_reduce'),
@@ -232,6 +236,8 @@ def _classify(func) -> OpInfo:
     if name in ('set_', 'resize_', 'resize_as_', '_resize_output_',
                 'record_stream', 'as_strided_', '_local_scalar_dense',
                 'lift_fresh'):  # its argument is made outside (R4)
+        replayable = False
+    if name == 'from_file':  # reads a file by name, which may change (R4)
         replayable = False
     cpu, cuda = _determinism(name, func._overloadname)
     return OpInfo(
