@@ -335,3 +335,21 @@ def test_lstsq_is_not_computed_again(same_under_dtr):
 
     for _ in range(10):
         same_under_dtr(step)
+
+
+def test_ctc_loss_with_lengths_is_exact(same_under_dtr):
+    # _ctc_loss leaves log_alpha unwritten past each item's lengths: a
+    # rebuild's unwritten bytes differ, and its backward must not read them
+    # (found by a scan of ops for other bits on a second call)
+    logits = torch.randn(12, 3, 6, requires_grad=True)
+    targets = torch.randint(1, 6, (3, 5))
+
+    def step():
+        logits.grad = None
+        log_probs = (logits * 2).sin().log_softmax(2)
+        loss = nn.functional.ctc_loss(log_probs, targets, (12, 9, 7),
+                                      (5, 3, 2))
+        loss.backward()
+        return loss.detach(), logits.grad
+
+    assert same_under_dtr(step).recomputations > 0
