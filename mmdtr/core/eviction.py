@@ -20,18 +20,11 @@ class Evictor:
     """
 
     def _add_candidate(self, rec):
-        # an empty storage frees nothing (and policies divide by its size),
-        # nor does one on a device the engine does not meter (R3)
+        # an empty storage frees nothing (and policies divide by its size)
         if rec.cand_index < 0 and rec.nbytes >= max(self.min_size, 1) \
-                and rec.recomputable(rec.version) \
-                and self._on_metered_device(rec.device):
+                and rec.recomputable(rec.version):
             rec.cand_index = len(self.candidates)
             self.candidates.append(rec)
-
-    def _on_metered_device(self, device) -> bool:
-        metered = self.device  # set by the first storage at the latest
-        return metered is None or device.type == metered.type and (
-            metered.index is None or device.index == metered.index)
 
     def _drop_candidate(self, rec):
         i, last = rec.cand_index, self.candidates.pop()
