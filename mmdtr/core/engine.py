@@ -68,6 +68,16 @@ def _has_storage(t) -> bool:
     return True
 
 
+_DEVICE_TYPES = {}  # torch.device -> its type: ``.type`` makes a new str
+
+
+def _device_type(device: torch.device) -> str:
+    device_type = _DEVICE_TYPES.get(device)
+    if device_type is None:
+        device_type = _DEVICE_TYPES[device] = device.type
+    return device_type
+
+
 class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                   SavedTensors, Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
@@ -153,10 +163,12 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info)
         declared = writes[:n_declared]
-        # judged by the devices it ran on, not the metered one (R4)
-        devices = [rec.device.type for _, rec in new]
-        devices += [w.device.type for w in declared]
-        replayable = info.replayable and same_bits_on_replay(info, devices)
+        replayable = info.replayable
+        if replayable:  # by the devices it ran on, not the metered one (R4)
+            devices = [_device_type(rec.device) for _, rec in new]
+            if declared:
+                devices += [_device_type(w.device) for w in declared]
+            replayable = same_bits_on_replay(info, devices)
         target = self._mutation_target(declared, info.full_overwrite) \
             if declared else None
         record_creator = bool(new) and torch.is_grad_enabled()

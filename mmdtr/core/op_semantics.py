@@ -61,9 +61,11 @@ _FRESH_BUFFER_PREFIXES = ('empty', 'new_empty', '_empty', 'zeros', 'new_zeros',
 #: convolution counts as ``ALWAYS``: cuDNN documents its forward routines
 #: as bitwise reproducible, PyTorch's entry is for the backward algorithms
 #: (``convolution_backward``) and for benchmark mode's choice, made once
-#: per shape. Ops whose entry depends on an argument (``scatter_reduce``'s
-#: ``reduce``) take the stricter class. Names are base names (in-place and
-#: ``out=`` forms share them).
+#: per shape; and that ``linalg_lstsq`` counts as ``NEVER`` (its default
+#: CPU driver gave other bits on another call; not in that list). Ops
+#: whose entry depends on an argument (``scatter_reduce``'s ``reduce``)
+#: take the stricter class. Names are base names (in-place and ``out=``
+#: forms share them).
 ALWAYS = 'always'
 IN_DETERMINISTIC_MODE = 'in deterministic mode'
 NEVER = 'never'
@@ -268,8 +270,9 @@ def same_bits_on_replay(info: OpInfo, device_types) -> bool:
             the call allocated or wrote.
 
     Returns:
-        bool: True if every device's kernels replay the same bits now; a
-        device other than CPU or CUDA counts as unknown, so not (R4).
+        bool: True if every device's kernels replay the same bits now (so
+        True for none: the caller builds no recipe then); a device other
+        than CPU or CUDA counts as unknown, so not (R4).
     """
     for device_type in device_types:
         if device_type == 'cuda':

@@ -3,7 +3,8 @@ kinds are in test_tensor_kinds.py).
 
 Each case runs a step without DTR and under the smallest threshold, and
 compares every returned tensor bit for bit (the ``same_under_dtr`` fixture).
-Found by an adversarial search; each failed before its fix.
+Found by an adversarial search or a scan; each failed before its fix, but
+for the ctc_loss case, which records what already held.
 """
 
 import os
