@@ -195,10 +195,13 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         for w in declared:
             # a leaf that requires grad is written by an optimizer step: a
             # parameter, held by its module, so its later versions are never
-            # rebuilt; recording each step would keep each gradient (R5)
+            # rebuilt; recording each step would keep each gradient (R5).
+            # _base first: a view's grad_fn, read after its base was written,
+            # is rebuilt, which raises for an output of split (found by a
+            # fuzzer; eager reads none under no_grad)
             self._after_write(
-                w, None if w.requires_grad and w.grad_fn is None
-                and w._base is None else mutation, info)
+                w, None if w.requires_grad and w._base is None
+                and w.grad_fn is None else mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
         memory = self.memory_after_op()

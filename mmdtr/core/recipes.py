@@ -21,6 +21,17 @@ Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
+def _grad_fn_is_none(t) -> bool:
+    """Whether ``t.grad_fn`` is None; False for an output of a multi-output
+    view op (``split``) whose base was written since: autograd refuses to
+    rebuild its grad_fn, which eager never asks for in an op that does not
+    differentiate (``v > 0``; found by a fuzzer)."""
+    try:
+        return t.grad_fn is None
+    except RuntimeError:
+        return False
+
+
 class RecordRef:
     """An input read from a recorded storage at ``version``."""
     __slots__ = ('record', 'version', 'meta')
@@ -275,7 +286,7 @@ class Recipes:
             raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
-        if t.grad_fn is None:  # a leaf: holding it makes no cycle
+        if _grad_fn_is_none(t):  # a leaf: holding it makes no cycle
             return HeldRef(t, None, t._version, cdata)
         # below autograd, detach() gets a fresh version counter: the
         # tensor's own is read through weak references, to it and to its

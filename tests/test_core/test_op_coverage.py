@@ -354,3 +354,45 @@ def test_ctc_loss_with_lengths_is_exact(same_under_dtr):
         return loss.detach(), logits.grad
 
     assert same_under_dtr(step).recomputations > 0
+
+
+@pytest.mark.parametrize('then_unsqueeze', [False, True])
+def test_no_grad_write_to_a_split_output_after_its_base_was_written(
+        same_under_dtr, then_unsqueeze):
+    # the engine read the written view's grad_fn, which autograd rebuilds
+    # after the base's write and refuses for a view from a multi-output op:
+    # a RuntimeError where eager runs (found by a fuzzer)
+    p = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def step():
+        p.grad = None
+        a = p * 1
+        v = torch.split(a, 1)[0]
+        if then_unsqueeze:
+            v = v.unsqueeze(0)
+        a.mul_(-2)
+        with torch.no_grad():
+            v.add_(1.0)
+        loss = (a * a).sum()
+        loss.backward()
+        return loss.detach(), p.grad
+
+    same_under_dtr(step)
+
+
+def test_read_of_a_split_output_of_an_outside_base_written_since(
+        same_under_dtr):
+    # the engine read a held input's grad_fn, which autograd refuses to
+    # rebuild for such a view; eager runs ops that do not differentiate it
+    # (found by a fuzzer)
+    def setup():
+        p = torch.randn(4, requires_grad=True)
+        a = p * 1
+        view = torch.split(a, 2)[0]
+        a.mul_(-2)
+        return view
+
+    def step(view):
+        return (view > 0).float().cumsum(0), view.argmax().unsqueeze(0)
+
+    same_under_dtr(step, setup)
