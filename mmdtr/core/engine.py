@@ -68,13 +68,13 @@ def _has_storage(t) -> bool:
     return True
 
 
-_DEVICE_TYPES = {}  # torch.device -> its type: ``.type`` makes a new str
+_TYPE_OF_DEVICE = {}  # torch.device -> its type: ``.type`` makes a new str
 
 
 def _device_type(device: torch.device) -> str:
-    device_type = _DEVICE_TYPES.get(device)
+    device_type = _TYPE_OF_DEVICE.get(device)
     if device_type is None:
-        device_type = _DEVICE_TYPES[device] = device.type
+        device_type = _TYPE_OF_DEVICE[device] = device.type
     return device_type
 
 
