@@ -5,8 +5,6 @@ object per engine; this mixin only groups its methods). Rules R4 and R6 of
 docs/design.md.
 """
 import contextlib
-import sys
-import threading
 
 import torch
 
@@ -17,28 +15,6 @@ from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
 from .records import _PLAIN, detached_alias, view_meta, view_of
 
 Tensor = torch.Tensor
-
-_DEPTH = threading.Lock()
-_RAISED = [0, 0]  # rebuilds in progress, in all threads; the limit before
-
-
-@contextlib.contextmanager
-def _deep_recursion():
-    """Python's recursion limit at 20000 or more while any thread rebuilds
-    (a rebuild recurses along its chain). The limit is process-wide: the
-    last rebuild to end, in any thread, restores it (R12)."""
-    with _DEPTH:
-        if _RAISED[0] == 0:
-            _RAISED[1] = sys.getrecursionlimit()
-            sys.setrecursionlimit(max(_RAISED[1], 20000))
-        _RAISED[0] += 1
-    try:
-        yield
-    finally:
-        with _DEPTH:
-            _RAISED[0] -= 1
-            if _RAISED[0] == 0:
-                sys.setrecursionlimit(_RAISED[1])
 
 
 @contextlib.contextmanager
@@ -184,7 +160,53 @@ class Replayer:
 
     def materialize(self, rec, version, stale=False):
         """Return ``rec``'s storage at ``version``, recomputing if needed
-        (also if it is resident but ``stale``: written unseen, R13)."""
+        (also if it is resident but ``stale``: written unseen, R13).
+
+        A rebuild rebuilds the evicted inputs it reads first, theirs before
+        them, in the order a recursion would; but each rebuild is a
+        generator that asks for its inputs (``yield``) and this loop keeps
+        them on a stack of its own, so no chain is too long for Python's
+        stack or a thread's C stack (a recursion overflowed them at 4000
+        ops, and a 512 KiB C stack at 600, R6).
+        """
+        storage, stale = self._at_hand(rec, version, stale)
+        if storage is not None:
+            return storage
+        # frames: [a rebuild, the request it yielded]; the storage asked
+        # for is appended to the request, which the rebuild pops: nothing
+        # here holds a storage while a rebuild runs, so an eviction frees
+        # what it evicts, as it did in the recursion
+        stack, error = [[self._rebuilt(rec, version, stale), None]], None
+        while True:
+            frame = stack[-1]
+            try:
+                if error is None:
+                    frame[1] = wanted = frame[0].send(None)
+                else:
+                    error, frame[1] = None, frame[0].throw(error)
+                    wanted = frame[1]
+                storage, wanted[2] = self._at_hand(*wanted)
+                if storage is None:
+                    stack.append([self._rebuilt(*wanted), None])
+                else:
+                    wanted.append(storage)
+                    storage = None
+            except StopIteration as done:
+                stack.pop()
+                if not stack:
+                    return done.value
+                stack[-1][1].append(done.value)
+            except BaseException as e:  # to the rebuild that asked (R12)
+                if frame is stack[-1] and frame[0].gi_frame is None:
+                    stack.pop()  # raised by it, which is done
+                if not stack:
+                    raise
+                error = e
+
+    def _at_hand(self, rec, version, stale):
+        """``(storage, stale)``: ``rec``'s storage at ``version`` if it
+        needs no rebuild (resident, or rebuilt earlier in this rebuild),
+        else ``None``; ``stale`` also when it shrank."""
         storage = rec.storage()
         if storage is not None and storage.nbytes() < rec.nbytes:
             # shrunk below the dispatcher (a seen resize updates nbytes; a
@@ -196,10 +218,18 @@ class Replayer:
             stale = True
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
-            return storage
+            return storage, stale
+        memo = self.rebuilt
+        if memo is not None and not stale and (rec, version) in memo:
+            return memo[rec, version], stale  # rebuilt earlier (R4)
+        return None, stale
+
+    def _rebuilt(self, rec, version, stale):
+        """Rebuild ``rec`` at ``version``: a generator that yields a list
+        ``[record, version, stale]`` for each storage it reads, finds that
+        storage appended to it when resumed, and returns the rebuilt one
+        (see :meth:`materialize`)."""
         memo, key = self.rebuilt, (rec, version)
-        if memo is not None and not stale and key in memo:
-            return memo[key]  # rebuilt earlier in this rebuild (R4)
         if not rec.recomputable(version):
             raise MmdtrError(
                 f'cannot rebuild a storage of {rec.nbytes} bytes at version '
@@ -209,14 +239,8 @@ class Replayer:
         try:
             if memo is None:  # the outermost rebuild keeps what it rebuilds
                 self.rebuilt = {}
-            with _deep_recursion(), _outside_vmap():
-                storage = self._rebuild(rec, version)
-        except RecursionError as e:
-            raise MmdtrError(
-                f'rebuilding a storage of {rec.nbytes} bytes needs a chain '
-                "of recomputations deeper than Python's stack allows.",
-                'evict fewer storages in a row: raise eviction_threshold or '
-                'evictee_minimum_size.') from e
+            with _outside_vmap():
+                storage = yield from self._rebuild(rec, version)
         finally:
             if memo is None:
                 self.rebuilt = None
@@ -244,7 +268,7 @@ class Replayer:
             self._meter_replay_outputs(torch.ops.aten.empty.memory_format, out)
             storage = out.untyped_storage()
         else:
-            out = self._replay(creator, None)
+            out = yield from self._replay(creator, None)
             outs = out if isinstance(out, (tuple, list)) else (out, )
             storage = outs[rec.out_index].untyped_storage()
         if storage.nbytes() != rec.recipe_nbytes:
@@ -253,13 +277,18 @@ class Replayer:
                 f'not {rec.recipe_nbytes}.',
                 'Please report it with the model.')
         for node in rec.mutations[:version - rec.base]:
-            self._replay(node, storage)
+            yield from self._replay(node, storage)
         return storage
 
     def _replay(self, node, self_storage):
         resolve = self._resolve
-        args = tuple(resolve(a, self_storage) for a in node.args)
-        kwargs = {k: resolve(v, self_storage) for k, v in node.kwargs.items()}
+        args = []
+        for a in node.args:
+            args.append((yield from resolve(a, self_storage)))
+        args = tuple(args)
+        kwargs = {}
+        for k, v in node.kwargs.items():
+            kwargs[k] = yield from resolve(v, self_storage)
         # as recorded: below the dispatch mode, after autocast (the recorded
         # op is the cast one), and in grad mode (some ops return other
         # outputs without it: mkldnn_rnn_layer's workspace); no argument
@@ -283,13 +312,16 @@ class Replayer:
         return out
 
     def _resolve(self, a, self_storage):
-        """An argument of a replayed call, from its reference."""
+        """An argument of a replayed call, from its reference: a generator
+        that yields ``[record, version, stale]`` for a storage it needs
+        (see :meth:`_rebuilt`)."""
         if isinstance(a, RecordRef):
             rec = a.record
             stale = bool(rec.exit_versions) and rec.version == a.version \
                 and _written_after_close(rec, rebuildable=True)
-            return view_of(
-                self.materialize(rec, a.version, stale), a.meta, rec.device)
+            wanted = [rec, a.version, stale]
+            yield wanted  # materialize appends the storage
+            return view_of(wanted.pop(), a.meta, rec.device)
         if isinstance(a, HeldRef):
             if a.record is not None and a.record.exit_versions:
                 _written_after_close(a.record, rebuildable=False)
@@ -315,7 +347,10 @@ class Replayer:
             with torch._C._DisableTorchDispatch():
                 return a.tensor.clone()
         if isinstance(a, (list, tuple)):
-            return type(a)(self._resolve(b, self_storage) for b in a)
+            items = []
+            for b in a:
+                items.append((yield from self._resolve(b, self_storage)))
+            return type(a)(items)
         return a
 
     def _run_with_rng(self, node, args, kwargs):
