@@ -172,36 +172,57 @@ class Replayer:
         storage, stale = self._at_hand(rec, version, stale)
         if storage is not None:
             return storage
-        # frames: [a rebuild, the request it yielded]; the storage asked
-        # for is appended to the request, which the rebuild pops: nothing
-        # here holds a storage while a rebuild runs, so an eviction frees
-        # what it evicts, as it did in the recursion
-        stack, error = [[self._rebuilt(rec, version, stale), None]], None
-        while True:
-            frame = stack[-1]
-            try:
-                if error is None:
-                    frame[1] = wanted = frame[0].send(None)
-                else:
-                    error, frame[1] = None, frame[0].throw(error)
-                    wanted = frame[1]
-                storage, wanted[2] = self._at_hand(*wanted)
+        # one frame per rebuild in progress: [its steps, the request they
+        # yielded, the record's storage now (at another version, or stale:
+        # held while it is rebuilt, as the recursion held it)]. The storage
+        # asked for is appended to the request, which the steps pop: this
+        # loop holds none while a rebuild runs, so an eviction frees what
+        # it evicts
+        stack = [[self._rebuild_steps(rec, version, stale), None,
+                  rec.storage()]]
+        error = frame = wanted = None
+        try:
+            while True:
+                frame = stack[-1]
+                try:
+                    if error is None:
+                        wanted = frame[0].send(None)
+                    else:
+                        wanted = frame[0].throw(error)
+                except StopIteration as done:
+                    stack.pop()
+                    if not stack:
+                        return done.value
+                    stack[-1][1].append(done.value)
+                    continue
+                except BaseException as e:  # raised by the steps: they are
+                    stack.pop()  # done; to the rebuild that asked (R12)
+                    if not stack:
+                        raise
+                    error = e
+                    continue
+                error, frame[1] = None, wanted
+                try:
+                    storage, wanted[2] = self._at_hand(*wanted)
+                except BaseException as e:  # to the steps that asked
+                    error = e
+                    continue
                 if storage is None:
-                    stack.append([self._rebuilt(*wanted), None])
+                    stack.append([
+                        self._rebuild_steps(*wanted), None,
+                        wanted[0].storage()
+                    ])
                 else:
                     wanted.append(storage)
                     storage = None
-            except StopIteration as done:
-                stack.pop()
-                if not stack:
-                    return done.value
-                stack[-1][1].append(done.value)
-            except BaseException as e:  # to the rebuild that asked (R12)
-                if frame is stack[-1] and frame[0].gi_frame is None:
-                    stack.pop()  # raised by it, which is done
-                if not stack:
-                    raise
-                error = e
+        finally:
+            # an exception escaping this loop (KeyboardInterrupt between
+            # two sends) closes the rebuilds left, innermost first, as the
+            # recursion unwound; nor do its locals hold the error, whose
+            # traceback holds them (a cycle), or a storage
+            error = frame = wanted = storage = None
+            while stack:
+                stack.pop()[0].close()
 
     def _at_hand(self, rec, version, stale):
         """``(storage, stale)``: ``rec``'s storage at ``version`` if it
@@ -224,7 +245,7 @@ class Replayer:
             return memo[rec, version], stale  # rebuilt earlier (R4)
         return None, stale
 
-    def _rebuilt(self, rec, version, stale):
+    def _rebuild_steps(self, rec, version, stale):
         """Rebuild ``rec`` at ``version``: a generator that yields a list
         ``[record, version, stale]`` for each storage it reads, finds that
         storage appended to it when resumed, and returns the rebuilt one
@@ -240,7 +261,7 @@ class Replayer:
             if memo is None:  # the outermost rebuild keeps what it rebuilds
                 self.rebuilt = {}
             with _outside_vmap():
-                storage = yield from self._rebuild(rec, version)
+                storage = yield from self._replay_recipe(rec, version)
         finally:
             if memo is None:
                 self.rebuilt = None
@@ -259,7 +280,9 @@ class Replayer:
                 self._add_candidate(rec)
         return storage
 
-    def _rebuild(self, rec, version):
+    def _replay_recipe(self, rec, version):
+        """Replay ``rec``'s creator and its writes up to ``version`` into a
+        new storage; steps as :meth:`_rebuild_steps`'s."""
         creator = rec.creator
         if isinstance(creator, AllocNode):
             with torch._C._DisableTorchDispatch():
@@ -314,7 +337,7 @@ class Replayer:
     def _resolve(self, a, self_storage):
         """An argument of a replayed call, from its reference: a generator
         that yields ``[record, version, stale]`` for a storage it needs
-        (see :meth:`_rebuilt`)."""
+        (see :meth:`_rebuild_steps`)."""
         if isinstance(a, RecordRef):
             rec = a.record
             stale = bool(rec.exit_versions) and rec.version == a.version \

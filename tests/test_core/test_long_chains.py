@@ -1,10 +1,12 @@
-"""Rebuilds along long chains: no recursion along the chain (R6), so no
-limit of Python's stack or of a thread's C stack on its length."""
+"""Long chains of ops: rebuilt without recursion along the chain (R6), so
+no limit of Python's stack or of a thread's C stack on their length."""
+import gc
+import os
 import subprocess
 import sys
 import textwrap
+import types
 
-import pytest
 import torch
 
 from mmdtr.dtr import DTR, EvictionPolicy
@@ -49,19 +51,36 @@ def test_a_chain_deeper_than_pythons_stack_rebuilds_exactly():
     assert sys.getrecursionlimit() == limit
 
 
+def _rebuilds_alive():
+    """Frames of the engine's rebuilds still alive (in a traceback)."""
+    return [
+        o for o in gc.get_objects() if isinstance(o, types.FrameType)
+        and o.f_code.co_filename.endswith(os.path.join('core', 'replay.py'))
+    ]
+
+
 def test_an_error_at_the_bottom_of_a_chain_reaches_the_caller():
     # the first recipe of a 600-op chain read x, written after the scope:
-    # the rebuild that reads it raises, under 600 rebuilds waiting for it
+    # the rebuild that reads it raises, under 600 rebuilds waiting for it;
+    # they are closed, and nothing is left in a reference cycle
     x, w = torch.randn(16), torch.randn(16, requires_grad=True)
     policy = _EvictInForwardOnly()
-    with DTR(
-            eviction_threshold=1, evictee_minimum_size=1,
-            policy=policy) as engine:
+    with DTR(eviction_threshold=1, evictee_minimum_size=1, policy=policy):
         loss = _chain(w * x, 300)
         policy.on = False
     x.add_(1.0)  # after the scope: seen through its version counter (R13)
-    with pytest.raises(MmdtrError, match='written in place'):
-        loss.backward()
+    gc.disable()  # a cycle would keep them: seen without a collection
+    try:
+        try:
+            loss.backward()
+        except MmdtrError as e:
+            message = str(e)
+        del loss
+        left = len(_rebuilds_alive())
+    finally:
+        gc.enable()
+    assert 'written in place' in message
+    assert left == 0
     with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
         _chain(w * x, 20).backward()  # another engine rebuilds as before
     assert engine.stats.recomputations > 0
@@ -71,7 +90,7 @@ _SMALL_STACK = textwrap.dedent('''
     import threading
     import torch
     from mmdtr.dtr import DTR
-    from tests.test_core.test_replay_depth import (_EvictInForwardOnly,
+    from tests.test_core.test_long_chains import (_EvictInForwardOnly,
                                                    _chain)
     threading.stack_size(256 * 1024)
     w = torch.randn(16, requires_grad=True)
@@ -96,12 +115,16 @@ _SMALL_STACK = textwrap.dedent('''
 ''')
 
 
-def test_a_deep_chain_rebuilds_on_a_thread_with_a_small_stack():
-    # by recursion, an 800-op chain overflowed a 256 KiB C stack (macOS
-    # gives secondary threads 512 KiB): the process crashed
-    done = subprocess.run([sys.executable, '-c', _SMALL_STACK],
+def _run_on_a_small_stack(script):
+    done = subprocess.run([sys.executable, '-c', script],
                           capture_output=True,
                           text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert 'rebuilt' in done.stdout
+    return done.stdout
+
+
+def test_a_deep_chain_rebuilds_on_a_thread_with_a_small_stack():
+    # by recursion, an 800-op chain overflowed a 256 KiB C stack (macOS
+    # gives secondary threads 512 KiB): the process crashed
+    assert 'rebuilt' in _run_on_a_small_stack(_SMALL_STACK)
