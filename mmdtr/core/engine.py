@@ -198,10 +198,11 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             # rebuilt; recording each step would keep each gradient (R5).
             # _base first: a view's grad_fn, read after its base was written,
             # is rebuilt, which raises for an output of split (found by a
-            # fuzzer; eager reads none under no_grad)
+            # fuzzer; eager reads none under no_grad). is_leaf, not grad_fn
+            # (R10): no Python object is made for the node
             self._after_write(
                 w, None if w.requires_grad and w._base is None
-                and w.grad_fn is None else mutation, info)
+                and w.is_leaf else mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
         memory = self.memory_after_op()

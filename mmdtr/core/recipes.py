@@ -25,9 +25,13 @@ def _grad_fn_is_none(t) -> bool:
     """Whether ``t.grad_fn`` is None; False for an output of a multi-output
     view op (``split``) whose base was written since: autograd refuses to
     rebuild its grad_fn, which eager never asks for in an op that does not
-    differentiate (``v > 0``; found by a fuzzer)."""
+    differentiate (``v > 0``; found by a fuzzer).
+
+    Read as ``is_leaf``, which makes no Python object for the node: one made
+    lives as long as the node and keeps PyTorch from freeing a long graph
+    without recursion (R10)."""
     try:
-        return t.grad_fn is None
+        return t.is_leaf
     except RuntimeError:
         return False
 

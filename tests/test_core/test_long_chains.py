@@ -1,5 +1,6 @@
-"""Long chains of ops: rebuilt without recursion along the chain (R6), so
-no limit of Python's stack or of a thread's C stack on their length."""
+"""Long chains of ops: rebuilt without recursion along the chain (R6) and
+freed as PyTorch frees them (R10), so no limit of Python's stack or of a
+thread's C stack on their length."""
 import gc
 import os
 import subprocess
@@ -128,3 +129,34 @@ def test_a_deep_chain_rebuilds_on_a_thread_with_a_small_stack():
     # by recursion, an 800-op chain overflowed a 256 KiB C stack (macOS
     # gives secondary threads 512 KiB): the process crashed
     assert 'rebuilt' in _run_on_a_small_stack(_SMALL_STACK)
+
+
+_FREED_ON_A_SMALL_STACK = textwrap.dedent('''
+    import threading
+    import torch
+    from mmdtr.dtr import DTR
+    threading.stack_size(256 * 1024)
+
+    def work():
+        w = torch.randn(16, requires_grad=True)
+        with DTR(eviction_threshold='1GB'):
+            x = w * 1.0
+            for _ in range(3000):
+                x = x.clone()
+                x.mul_(1.0001)  # an in-place write the engine checks
+                x = x.sin()
+        del x  # the graph of 9000 nodes goes
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    print('freed')
+''')
+
+
+def test_a_long_graph_is_freed_on_a_thread_with_a_small_stack():
+    # the engine read grad_fn of each tensor written in place: the Python
+    # object made for a node lives as long as the node, and PyTorch then
+    # freed the chain of nodes by recursion, which overflowed the stack
+    # (eager, without the engine, frees it; found 2026-11-27)
+    assert 'freed' in _run_on_a_small_stack(_FREED_ON_A_SMALL_STACK)
