@@ -201,8 +201,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             # fuzzer; eager reads none under no_grad). is_leaf, not grad_fn
             # (R10): no Python object is made for the node
             self._after_write(
-                w, None if w.requires_grad and w._base is None
-                and w.is_leaf else mutation, info)
+                w, None if w.requires_grad and w._base is None and w.is_leaf
+                else mutation, info)
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
         memory = self.memory_after_op()

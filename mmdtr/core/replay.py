@@ -178,8 +178,10 @@ class Replayer:
         # asked for is appended to the request, which the steps pop: this
         # loop holds none while a rebuild runs, so an eviction frees what
         # it evicts
-        stack = [[self._rebuild_steps(rec, version, stale), None,
-                  rec.storage()]]
+        stack = [[
+            self._rebuild_steps(rec, version, stale), None,
+            rec.storage()
+        ]]
         error = frame = wanted = None
         try:
             while True:
