@@ -136,6 +136,7 @@ _FREED_ON_A_SMALL_STACK = textwrap.dedent('''
     import torch
     from mmdtr.dtr import DTR
     threading.stack_size(256 * 1024)
+    done = []
 
     def work():
         w = torch.randn(16, requires_grad=True)
@@ -146,10 +147,12 @@ _FREED_ON_A_SMALL_STACK = textwrap.dedent('''
                 x.mul_(1.0001)  # an in-place write the engine checks
                 x = x.sin()
         del x  # the graph of 9000 nodes goes
+        done.append(True)
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
+    assert done  # an exception in the thread would not fail the process
     print('freed')
 ''')
 
