@@ -21,15 +21,15 @@ Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
-def _grad_fn_is_none(t) -> bool:
-    """Whether ``t.grad_fn`` is None; False for an output of a multi-output
-    view op (``split``) whose base was written since: autograd refuses to
-    rebuild its grad_fn, which eager never asks for in an op that does not
-    differentiate (``v > 0``; found by a fuzzer).
+def _is_leaf(t) -> bool:
+    """Whether ``t`` is a leaf (its ``grad_fn`` is None); False for an
+    output of a multi-output view op (``split``) whose base was written
+    since: autograd refuses to rebuild its grad_fn, which eager never asks
+    for in an op that does not differentiate (``v > 0``; found by a fuzzer).
 
-    Read as ``is_leaf``, which makes no Python object for the node: one made
-    lives as long as the node and keeps PyTorch from freeing a long graph
-    without recursion (R10)."""
+    Read as ``is_leaf``, not ``grad_fn``, which makes a Python object for
+    the node: one made lives as long as the node and keeps PyTorch from
+    freeing a long graph without recursion (R10)."""
     try:
         return t.is_leaf
     except RuntimeError:
@@ -290,7 +290,7 @@ class Recipes:
             raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
-        if _grad_fn_is_none(t):  # a leaf: holding it makes no cycle
+        if _is_leaf(t):  # holding a leaf makes no cycle
             return HeldRef(t, None, t._version, cdata)
         # below autograd, detach() gets a fresh version counter: the
         # tensor's own is read through weak references, to it and to its
