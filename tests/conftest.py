@@ -109,12 +109,13 @@ def oracle():
 
 
 @contextlib.contextmanager
-def _deterministic_algorithms(warn_only=False):
-    """Deterministic algorithms (bit-exactness on CUDA needs them); both
-    flags of ``torch.use_deterministic_algorithms`` restored afterwards."""
+def _deterministic_algorithms(enabled=True, warn_only=False):
+    """Deterministic algorithms (bit-exactness on CUDA needs them), or
+    not (``enabled=False``); both flags of
+    ``torch.use_deterministic_algorithms`` restored afterwards."""
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     try:
         yield
     finally:
@@ -123,7 +124,8 @@ def _deterministic_algorithms(warn_only=False):
 
 @pytest.fixture
 def deterministic_algorithms():
-    """:func:`_deterministic_algorithms`: ``with ...(warn_only=False):``."""
+    """:func:`_deterministic_algorithms`: ``with ...(enabled=True,
+    warn_only=False):``."""
     return _deterministic_algorithms
 
 

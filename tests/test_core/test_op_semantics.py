@@ -1,7 +1,7 @@
 """Static facts about ops (mmdtr/core/op_semantics.py), checked against
 what eager PyTorch does."""
 import platform
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -152,7 +152,7 @@ def test_convolutions_are_kept_where_a_replay_may_take_another_kernel():
 @pytest.mark.parametrize('metered_cuda', [False, True])
 @pytest.mark.parametrize('deterministic', [False, True])
 def test_keeps_what_a_replay_would_compute_other_bits_of(
-        metered_cuda, deterministic):
+        metered_cuda, deterministic, deterministic_algorithms):
     # index_put with duplicate indices writes them in any order, also on
     # CPU: a rebuild of its output gave a gradient of another loss (R4).
     # The CPU kernels' classes decide for CPU ops also where the engine
@@ -170,7 +170,7 @@ def test_keeps_what_a_replay_would_compute_other_bits_of(
             out = state.on_op(op, args, {})
         return state.records[out.untyped_storage()._cdata].creator
 
-    with _deterministic_algorithms(deterministic):
+    with deterministic_algorithms(enabled=deterministic):
         assert creator(A.mul.Tensor, x, x) is not None
         assert creator(A.index_add.default, torch.zeros(4, 8), 0, index,
                        x) is not None  # CUDA's kernel sums in any order
@@ -180,10 +180,11 @@ def test_keeps_what_a_replay_would_compute_other_bits_of(
 
 
 @pytest.mark.parametrize('deterministic', [False, True])
-def test_each_device_the_call_ran_on_decides_by_its_kernels(deterministic):
+def test_each_device_the_call_ran_on_decides_by_its_kernels(
+        deterministic, deterministic_algorithms):
     # an atomics-based CUDA kernel sums in another order on each call
     index_add, mul = op_info(A.index_add.default), op_info(A.mul.Tensor)
-    with _deterministic_algorithms(deterministic):
+    with deterministic_algorithms(enabled=deterministic):
         assert same_bits_on_replay(index_add, ['cpu'])
         assert same_bits_on_replay(index_add, ['cuda']) == deterministic
         assert same_bits_on_replay(index_add, ['cpu', 'cuda']) == deterministic
@@ -191,14 +192,3 @@ def test_each_device_the_call_ran_on_decides_by_its_kernels(deterministic):
         assert same_bits_on_replay(op_info(A.histc.default), ['cpu'])
         assert same_bits_on_replay(mul, ['cpu', 'cuda'])
         assert not same_bits_on_replay(mul, ['cpu', 'xpu'])  # unknown: kept
-
-
-@contextmanager
-def _deterministic_algorithms(enabled):
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(enabled)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
