@@ -233,7 +233,9 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
             f'clip_grad={settings!r}: clipping by the global norm needs '
             "every gradient at once; accepted: None or dict(type='value', "
             'clip_value=...).',
-            hint='drop clip_grad, or use step_in_backward=False.')
+            hint='drop clip_grad (clip_grad=None; a base config\'s '
+            'optim_wrapper merges in: add _delete_=True to replace it '
+            'whole), or use step_in_backward=False.')
     return settings, float(settings['clip_value'])
 
 

@@ -126,6 +126,25 @@ def test_refusals(case):
     assert info.value.hint, 'every refusal says how to fix it'
 
 
+def test_norm_clip_refusal_names_the_inherited_key(tmp_path):
+    # every mmdtr config inherits clip_grad=dict(max_norm=...) or none; a
+    # user who sets step_in_backward in a child config never wrote the
+    # clip_grad refused, MMEngine merged it in (found by a new-user
+    # walkthrough of the docs): the hint says how to replace the base's
+    base = tmp_path / 'base.py'
+    base.write_text("optim_wrapper = dict(type='OptimWrapper', optimizer="
+                    "dict(type='SGD', lr=0.1), clip_grad=dict(max_norm=1.0))")
+    child = tmp_path / 'child.py'
+    child.write_text("_base_ = ['base.py']\n"
+                     "optim_wrapper = dict(type='mmdtr.InplaceOptimWrapper', "
+                     'step_in_backward=True)')
+    cfg = Config.fromfile(str(child))
+    with pytest.raises(MmdtrError, match=re.escape('clip_grad=')) as info:
+        build_optim_wrapper(nn.Linear(2, 2), cfg.optim_wrapper)
+    assert '_delete_=True' in info.value.hint
+    assert 'clip_grad=None' in info.value.hint
+
+
 @pytest.mark.parametrize('case', sorted(_refusals()))
 def test_refused_before_the_runner_is_built(case):
     # MMEngine builds the wrapper only in runner.train(): the work dir, the
