@@ -172,16 +172,11 @@ class Replayer:
         storage, stale = self._at_hand(rec, version, stale)
         if storage is not None:
             return storage
-        # one frame per rebuild in progress: [its steps, the request they
-        # yielded, the record's storage now (at another version, or stale:
-        # held while it is rebuilt, as the recursion held it)]. The storage
+        # one frame per rebuild in progress (_rebuild_frame). The storage
         # asked for is appended to the request, which the steps pop: this
         # loop holds none while a rebuild runs, so an eviction frees what
         # it evicts
-        stack = [[
-            self._rebuild_steps(rec, version, stale), None,
-            rec.storage()
-        ]]
+        stack = [self._rebuild_frame(rec, version, stale)]
         error = frame = wanted = None
         try:
             while True:
@@ -210,10 +205,7 @@ class Replayer:
                     error = e
                     continue
                 if storage is None:
-                    stack.append([
-                        self._rebuild_steps(*wanted), None,
-                        wanted[0].storage()
-                    ])
+                    stack.append(self._rebuild_frame(*wanted))
                 else:
                     wanted.append(storage)
                     storage = None
@@ -225,6 +217,13 @@ class Replayer:
             error = frame = wanted = storage = None
             while stack:
                 stack.pop()[0].close()
+
+    def _rebuild_frame(self, rec, version, stale):
+        """A frame of :meth:`materialize`'s stack: ``[the rebuild's steps,
+        the request they yielded last, the record's storage now]`` (at
+        another version, or stale: held while it is rebuilt, as the
+        recursion held it)."""
+        return [self._rebuild_steps(rec, version, stale), None, rec.storage()]
 
     def _at_hand(self, rec, version, stale):
         """``(storage, stale)``: ``rec``'s storage at ``version`` if it
