@@ -5,11 +5,51 @@ import os
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
+from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
+from mmdtr.core import torch_compat
 from mmdtr.dtr import DTR
 
 # cuBLAS reads this when its handle is made: before any CUDA matmul
 os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+
+#: marker -> (whether this PyTorch lacks it, why the test is skipped)
+_NO_SELECTIVE = torch_compat.create_selective_checkpoint_contexts is None
+_NO_HOOKS_READER = torch_compat._top_hooks is None
+_NEEDS = {
+    'needs_selective_checkpointing':
+    (_NO_SELECTIVE, 'selective checkpointing needs PyTorch >= 2.5'),
+    'needs_hooks_on_top':
+    (_NO_HOOKS_READER,
+     'PyTorch 2.4 and 2.5 cannot name the saved-tensor hooks in force'),
+    'needs_weights_only_default':
+    (not WEIGHTS_ONLY_BY_DEFAULT,
+     'torch.load loads weights only by default from PyTorch 2.6'),
+}
+
+_TORCH = TorchVersion(torch.__version__)
+
+
+def pytest_configure(config):
+    for name, (_, why) in _NEEDS.items():
+        config.addinivalue_line('markers', f'{name}: skipped unless {why}')
+    config.addinivalue_line(
+        'markers', 'fails_before_torch(version, reason): a known gap on '
+        'older PyTorch (docs/status.md), expected to fail there (strict)')
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip what the PyTorch installed lacks (mmdtr runs on >= 2.4), and
+    expect the known gaps of older releases to fail."""
+    for item in items:
+        for name, (missing, why) in _NEEDS.items():
+            if missing and item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+        gap = item.get_closest_marker('fails_before_torch')
+        if gap is not None and _TORCH < gap.args[0]:
+            item.add_marker(
+                pytest.mark.xfail(strict=True, reason=gap.kwargs['reason']))
 
 
 def _state(model):

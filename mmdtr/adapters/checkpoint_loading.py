@@ -32,6 +32,7 @@ from typing import Any, Callable, List, Tuple, Union
 import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer
+from torch.torch_version import TorchVersion
 
 from mmdtr.errors import MmdtrError
 
@@ -46,6 +47,8 @@ SafeGlobal = Union[Callable, Tuple[Callable, str]]
 _NUMPY_TYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                 np.uint16, np.uint32, np.uint64, np.float16, np.float32,
                 np.float64)
+#: whether ``torch.load`` defaults to ``weights_only=True`` (PyTorch >= 2.6)
+WEIGHTS_ONLY_BY_DEFAULT = TorchVersion(torch.__version__) >= (2, 6)
 #: statistics methods that every ``HistoryBuffer`` registers.
 _DEFAULT_STATISTICS = ('min', 'max', 'current', 'mean')
 
@@ -86,6 +89,7 @@ def checkpoint_safe_globals() -> List[SafeGlobal]:
         >>> import torch
         >>> from mmdtr.adapters.checkpoint_loading import (
         ...     checkpoint_safe_globals)
+        >>> # PyTorch >= 2.6
         >>> with torch.serialization.safe_globals(checkpoint_safe_globals()):
         ...     ckpt = torch.load('work_dirs/x/iter_2.pth', weights_only=True)
     """
@@ -101,11 +105,14 @@ def checkpoint_safe_globals() -> List[SafeGlobal]:
 def register_checkpoint_safe_globals() -> None:
     """Allowlist :func:`checkpoint_safe_globals` for ``weights_only`` loads.
 
-    Idempotent: registering twice leaves the allowlist unchanged.
+    Idempotent: registering twice leaves the allowlist unchanged. Done on
+    PyTorch >= 2.6 only, where ``torch.load`` defaults to
+    ``weights_only=True``: older releases load MMEngine's checkpoints as
+    they are, and PyTorch 2.4's allowlist takes no ``(object, name)``
+    entries (one there broke every ``weights_only`` load of the process).
     """
-    add_safe_globals = getattr(torch.serialization, 'add_safe_globals', None)
-    if add_safe_globals is not None:  # torch >= 2.4
-        add_safe_globals(checkpoint_safe_globals())
+    if WEIGHTS_ONLY_BY_DEFAULT:
+        torch.serialization.add_safe_globals(checkpoint_safe_globals())
 
 
 register_checkpoint_safe_globals()

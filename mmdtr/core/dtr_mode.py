@@ -20,6 +20,7 @@ from .engine import EngineState
 from .policies import build_policy
 from .records import _PLAIN
 from .sizes import parse_size
+from .torch_compat import outer_saved_tensor_hooks
 
 _DEVICE_TYPES = ('cpu', 'cuda')
 _ACTIVE = threading.local()  # .engine: the engine active on this thread
@@ -330,11 +331,9 @@ def _refuse_inside_saved_tensor_hooks():
     innermost hooks take every tensor saved, so the engine's would shadow
     them (``save_on_cpu`` would offload nothing, a compression hook
     compress nothing, ``allow_mutation_on_saved_tensors`` allow nothing)."""
-    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
-    outer = top(False) if top is not None else None
-    if outer is None:
+    owner = outer_saved_tensor_hooks()
+    if owner is None:
         return
-    owner = getattr(outer[0], '__qualname__', repr(outer[0]))
     raise MmdtrError(
         'DTR was started inside another saved-tensor hooks context '
         f'(its pack hook: {owner}); its hooks would take every tensor saved '

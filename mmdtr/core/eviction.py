@@ -6,6 +6,8 @@ R11 (the limit in force) of docs/design.md.
 """
 import torch
 
+from .torch_compat import STORAGE_OBJECT_USES
+
 _use_count = torch._C._storage_Use_Count
 
 
@@ -103,8 +105,8 @@ class Evictor:
             # exclusive: only the engine's aliases and the storage's own
             # Python object (alive while it is) reference it (R3); cdata is
             # None once freed, by a collection during the search too
-            if value < best_score and rec.cdata is not None and \
-                    _use_count(rec.cdata) == len(rec.views) + 1:
+            if value < best_score and rec.cdata is not None and _use_count(
+                    rec.cdata) == len(rec.views) + STORAGE_OBJECT_USES:
                 best, best_score = rec, value
         return best
 

@@ -38,11 +38,11 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import (checkpoint,
-                                    create_selective_checkpoint_contexts,
-                                    set_checkpoint_early_stop)
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from mmdtr.core.torch_compat import create_selective_checkpoint_contexts
 from mmdtr.errors import MmdtrError
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
@@ -151,6 +151,23 @@ def inner_forward(module: nn.Module) -> Callable:
             or type(module).forward.__get__(module))
 
 
+#: Whether a compiled checkpoint updates running statistics once: not on
+#: PyTorch 2.4, whose compiled recompute updated them a second time
+#: (seen on 2.4.1, 2026-11-27; once on 2.11 and 2.13)
+_COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _compiled_norms_refused(owner: str) -> MmdtrError:
+    return MmdtrError(
+        f'activation_checkpointing: {owner} is checkpointed under '
+        f'torch.compile and holds a BatchNorm in training mode; on PyTorch '
+        f'{torch.__version__} the compiled recompute updates its running '
+        'statistics a second time.',
+        hint='do not compile the checkpointed model, leave that module out '
+        'of activation_checkpointing, or use PyTorch 2.11 or newer (checked '
+        'there).')
+
+
 def _compiled_checkpoint(run: Callable, policy: Optional[Tuple[str, ...]],
                          *inputs):
     """Checkpoint under torch.compile: no running-stats guard is needed
@@ -189,6 +206,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     run = functools.partial(_call_with_kwargs, inner, len(args), keys)
     policy = getattr(self, _POLICY_ATTR, None)
     if torch.compiler.is_compiling():
+        if not _COMPILED_STATS_ONCE and tracking_norms(self):
+            raise _compiled_norms_refused(_described(self))
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     norms, owner = tracking_norms(self), _described(self)
     forward_contexts = []

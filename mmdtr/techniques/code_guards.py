@@ -14,6 +14,7 @@ Not seen: ``type(x)`` of a proxy, and code reached other than through the
 class's forward (and what it wraps), the methods of the module's classes it
 names and the functions its globals and cells hold.
 """
+import abc
 import dis
 import os
 import sys
@@ -28,6 +29,7 @@ from .guard_values import ABSENT, TraceRefused, how_to_check, same_value
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FX_DIR = os.path.dirname(fx.__file__) + os.sep
+_ABC_CHECK = abc.ABCMeta.__instancecheck__.__code__
 # Python >= 3.10 lists its standard library; before, its code is scanned
 # too (more refusals, never a missed guard)
 _LIBRARY_PACKAGES = frozenset(getattr(sys, 'stdlib_module_names',
@@ -172,7 +174,8 @@ class TypeWatchingTracer(fx.Tracer):
     lists where.
 
     ``isinstance(proxy, C)`` reads ``proxy.__class__`` when the proxy's
-    type is not ``C``; a ``Parameter`` check is counted for its caller.
+    type is not ``C``; a ``Parameter`` check, also one made inside an
+    ABC's, is counted for its caller.
     """
 
     def trace(self, root, concrete_args=None):
@@ -188,10 +191,14 @@ class _TypeWatchedProxy(fx.Proxy):
     @property
     def __class__(self):
         caller = sys._getframe(1)
-        code = caller.f_code
-        if code.co_name == '__instancecheck__' and \
-                code.co_filename.startswith(_TORCH_DIR):
-            caller = caller.f_back  # a Parameter's metaclass
+        # a Parameter's metaclass, and an ABC's (torch.fx checks one on
+        # PyTorch 2.5, whose check calls the proxy's): the check is its
+        # caller's
+        while caller is not None and \
+                caller.f_code.co_name == '__instancecheck__' and (
+                    caller.f_code.co_filename.startswith(_TORCH_DIR)
+                    or caller.f_code is _ABC_CHECK):
+            caller = caller.f_back
         if caller is not None and \
                 not caller.f_code.co_filename.startswith(_FX_DIR):
             self.tracer.type_checks.append(

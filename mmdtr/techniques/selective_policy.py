@@ -11,8 +11,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy
 
+from mmdtr.core.op_semantics import UNMARKED_WRITES
+from mmdtr.core.torch_compat import (CheckpointPolicy,
+                                     create_selective_checkpoint_contexts)
 from mmdtr.errors import MmdtrError
 from .module_selection import closest_names
 
@@ -103,9 +105,11 @@ def _not_kept_why(packet, op) -> Optional[str]:
         return ('writes its input in place: the output it would keep is '
                 'the written input, which selective checkpointing refuses '
                 'in backward')
+    unmarked = UNMARKED_WRITES.get(schema.name.split('::')[-1])
     written = [
-        a.name for a in schema.arguments if a.alias_info is not None
-        and a.alias_info.is_write and a.name not in _KEPT_WRITES
+        a.name for a in schema.arguments
+        if (a.alias_info is not None and a.alias_info.is_write
+            or a.name == unmarked) and a.name not in _KEPT_WRITES
     ]
     if written:
         return (f'writes its argument {written[0]!r}, which the recompute '
@@ -159,9 +163,10 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
         ``None`` for plain checkpointing.
 
     Raises:
-        MmdtrError: If the policy or an op name is unknown, or if an op
+        MmdtrError: If the policy or an op name is unknown, if an op
             named cannot be kept (:func:`_not_kept_why`: in-place and out=
-            ops, ops writing another argument, ops drawing random numbers).
+            ops, ops writing another argument, ops drawing random numbers),
+            or if PyTorch is older than 2.5 (no selective checkpointing).
     """
     if policy is None:
         return None
@@ -180,7 +185,16 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
                           'str')
     if not names:
         return None
-    return tuple(sorted({_canonical_op(name, policy) for name in names}))
+    canonical = tuple(sorted({_canonical_op(name, policy) for name in names}))
+    if create_selective_checkpoint_contexts is None:
+        raise MmdtrError(
+            f'activation_checkpointing policy={policy!r} is not accepted on '
+            f'PyTorch {torch.__version__}: selective checkpointing needs '
+            'torch.utils.checkpoint.create_selective_checkpoint_contexts '
+            '(PyTorch >= 2.5).',
+            hint="use policy=None or 'recompute_all' (recompute every op), "
+            'or upgrade PyTorch to 2.5 or newer.')
+    return canonical
 
 
 class _SavePolicy:

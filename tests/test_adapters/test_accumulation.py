@@ -81,7 +81,9 @@ def plain_frozen(tmp_path_factory, train_accum):
 
 @pytest.mark.parametrize('value', [
     'backbone.layer*',
-    dict(modules=['backbone.*'], policy='save_compute_heavy')
+    pytest.param(
+        dict(modules=['backbone.*'], policy='save_compute_heavy'),
+        marks=pytest.mark.needs_selective_checkpointing)
 ])
 def test_checkpointing_bit_identical(tmp_path, plain, value, train_accum):
     model = train_accum(tmp_path, activation_checkpointing=value)

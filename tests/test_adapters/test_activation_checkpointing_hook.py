@@ -34,10 +34,14 @@ def make_cfg(toy_runner_cfg):
     ('backbone.layer*', ['backbone.layer*'], None),
     (['backbone.layer1', 'head'], ['backbone.layer1', 'head'], None),
     (dict(modules='backbone'), ['backbone'], None),
-    (dict(modules=('a', 'b'),
-          policy='save_compute_heavy'), ['a', 'b'], 'save_compute_heavy'),
-    (dict(modules=['a'], policy=('mm', 'aten.bmm')), ['a'], ['mm', 'aten.bmm'
-                                                             ]),
+    pytest.param(
+        dict(modules=('a', 'b'), policy='save_compute_heavy'), ['a', 'b'],
+        'save_compute_heavy',
+        marks=pytest.mark.needs_selective_checkpointing),
+    pytest.param(
+        dict(modules=['a'], policy=('mm', 'aten.bmm')), ['a'],
+        ['mm', 'aten.bmm'],
+        marks=pytest.mark.needs_selective_checkpointing),
 ])
 def test_translate_accepted_forms(value, modules, policy):
     cfg = translate_activation_checkpointing(value)
@@ -84,6 +88,7 @@ def test_translation_pops_the_key(make_cfg, tmp_path):
         translate_memory_keys(make_cfg(tmp_path, activation_checkpointing=1))
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_runner_trains_with_mmdtr_checkpointing(make_cfg, tmp_path):
     cfg = make_cfg(
         tmp_path,
@@ -152,7 +157,10 @@ def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
 
 
 @pytest.mark.parametrize('second, refused', [
-    ('save_compute_heavy', True),
+    pytest.param(
+        'save_compute_heavy',
+        True,
+        marks=pytest.mark.needs_selective_checkpointing),
     (None, False),
 ])
 def test_one_module_two_hooks_needs_one_policy(make_cfg, tmp_path, second,

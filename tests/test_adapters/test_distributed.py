@@ -9,6 +9,7 @@ import torch.distributed as torch_dist
 from mmengine.model import MMDistributedDataParallel
 from torch import nn
 
+from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
 from mmdtr.adapters.cpu_process_group import close_dist, init_cpu_dist
 from mmdtr.adapters.distributed import MMDTRDistributedDataParallel
 from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
@@ -260,7 +261,8 @@ def test_two_process_gloo_run(tmp_path, dist_train):
     # ...and gradients were all-reduced: the parameters agree bit for bit
     for key, value in ranks[0]['state'].items():
         assert torch.equal(value, ranks[1]['state'][key]), key
-    ckpt = torch.load(str(work_dir / 'iter_3.pth'), weights_only=True)
+    ckpt = torch.load(
+        str(work_dir / 'iter_3.pth'), weights_only=WEIGHTS_ONLY_BY_DEFAULT)
     assert ckpt['meta']['iter'] == 3
     for key, value in ckpt['state_dict'].items():
         assert torch.equal(value, ranks[0]['state'][key]), key

@@ -12,6 +12,7 @@ import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
+from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.dtr import engine_active
 from mmdtr.techniques.activation_checkpointing import is_checkpointed
@@ -92,7 +93,9 @@ def plain_combo(tmp_path_factory, train_combo):
     'checkpointing', [
         'backbone.layer1',
         'backbone.*',
-        dict(modules=['backbone.layer*'], policy='save_compute_heavy'),
+        pytest.param(
+            dict(modules=['backbone.layer*'], policy='save_compute_heavy'),
+            marks=pytest.mark.needs_selective_checkpointing),
     ],
     ids=['some', 'all', 'selective'])
 def test_dtr_with_activation_checkpointing(tmp_path, plain_combo,
@@ -113,6 +116,7 @@ def _pack_module(hooks):
     return None if hooks is None else hooks[0].__module__
 
 
+@pytest.mark.needs_hooks_on_top
 def test_checkpoint_hooks_take_precedence_inside(tmp_path, combo_cfg):
     """Inside a checkpointed module autograd uses checkpoint's hooks."""
     seen = {'inside': set(), 'outside': set()}
@@ -201,8 +205,10 @@ def test_dtr_with_resume(tmp_path, train_tool):
         'dtr.evictee_minimum_size=8KB', 'default_hooks.logger.type=LoggerHook',
         'default_hooks.logger.interval=1'
     ])
-    expected = torch.load(str(plain / 'iter_6.pth'), weights_only=True)
-    got = torch.load(str(resumed / 'iter_6.pth'), weights_only=True)
+    expected = torch.load(
+        str(plain / 'iter_6.pth'), weights_only=WEIGHTS_ONLY_BY_DEFAULT)
+    got = torch.load(
+        str(resumed / 'iter_6.pth'), weights_only=WEIGHTS_ONLY_BY_DEFAULT)
     assert got['meta']['iter'] == 6
     for key, value in expected['state_dict'].items():
         assert torch.equal(value, got['state_dict'][key]), key

@@ -14,6 +14,7 @@ from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmdtr.adapters.dtr_hook import DTRHook
 from mmdtr.adapters.dtr_train_step import model_device
 from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError
 
@@ -111,7 +112,7 @@ def dtr_hook(runner):
 
 def assert_thread_clean():
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert outer_saved_tensor_hooks() is None
     assert not engine_active()
 
 

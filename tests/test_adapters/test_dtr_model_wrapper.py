@@ -22,6 +22,7 @@ from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS
 from torch.utils.data import Dataset
 
+from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
 from mmdtr.adapters.cpu_process_group import init_cpu_dist
 from mmdtr.adapters.distributed import MMDTRDistributedDataParallel
 from mmdtr.adapters.dtr_hook import DTRHook
@@ -328,8 +329,9 @@ def baseline_peak_kib(work_dir):
 
 def rank_dumps(work_dir):
     return [
-        torch.load(str(work_dir / f'rank{r}.pth'), weights_only=True)
-        for r in (0, 1)
+        torch.load(
+            str(work_dir / f'rank{r}.pth'),
+            weights_only=WEIGHTS_ONLY_BY_DEFAULT) for r in (0, 1)
     ]
 
 

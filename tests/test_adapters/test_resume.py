@@ -8,7 +8,8 @@ import torch
 from mmengine.logging import HistoryBuffer
 from mmengine.runner import Runner
 
-from mmdtr.adapters.checkpoint_loading import (checkpoint_safe_globals,
+from mmdtr.adapters.checkpoint_loading import (WEIGHTS_ONLY_BY_DEFAULT,
+                                               checkpoint_safe_globals,
                                                history_buffer_getattr)
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
@@ -70,6 +71,7 @@ def full_run(tmp_path_factory):
     return flat_state(runner), ckpt
 
 
+@pytest.mark.needs_weights_only_default
 def test_checkpoint_needs_no_other_globals(full_run):
     _, ckpt = full_run
     assert torch.serialization.get_unsafe_globals_in_checkpoint(ckpt) == []
@@ -101,6 +103,7 @@ def test_auto_resume_is_bit_exact(full_run, tmp_path):
     assert_bit_equal(flat_state(runner), expected)
 
 
+@pytest.mark.needs_weights_only_default
 def test_load_from_loads_weights_only(full_run, tmp_path):
     _, ckpt = full_run
     runner = MMDTRRunner.from_cfg(make_cfg(tmp_path, load_from=ckpt))
@@ -110,6 +113,21 @@ def test_load_from_loads_weights_only(full_run, tmp_path):
     assert runner.iter == 0  # weights only: no training state
 
 
+def test_nothing_is_registered_before_weights_only_loads(monkeypatch):
+    # PyTorch 2.4's allowlist takes no (object, name) entries: registered
+    # there, every weights_only load of the process failed
+    from mmdtr.adapters import checkpoint_loading
+    calls = []
+    monkeypatch.setattr(torch.serialization, 'add_safe_globals', calls.append)
+    monkeypatch.setattr(checkpoint_loading, 'WEIGHTS_ONLY_BY_DEFAULT', False)
+    checkpoint_loading.register_checkpoint_safe_globals()
+    assert calls == []
+    monkeypatch.setattr(checkpoint_loading, 'WEIGHTS_ONLY_BY_DEFAULT', True)
+    checkpoint_loading.register_checkpoint_safe_globals()
+    assert calls == [checkpoint_safe_globals()]
+
+
+@pytest.mark.needs_weights_only_default
 def test_getattr_stand_in_is_restricted(tmp_path):
     path = str(tmp_path / 'x.pth')
     torch.save(dict(f=HistoryBuffer.mean), path)
@@ -134,7 +152,9 @@ def test_dtr_scalars_are_not_carried_into_a_run_without_dtr(tmp_path):
     first.train()
     assert first.message_hub.get_scalar('train/dtr_evictions').current() > 0
     ckpt = osp.join(tmp_path, 'dtr', f'iter_{CKPT_ITER}.pth')
-    saved = torch.load(ckpt, weights_only=True)['message_hub']['log_scalars']
+    saved = torch.load(
+        ckpt,
+        weights_only=WEIGHTS_ONLY_BY_DEFAULT)['message_hub']['log_scalars']
     assert not [name for name in saved if 'dtr' in name]
     resumed = MMDTRRunner.from_cfg(
         make_cfg(tmp_path / 'plain', load_from=ckpt, resume=True))

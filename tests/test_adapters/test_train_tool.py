@@ -8,6 +8,7 @@ import torch
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 
 from mmdtr.adapters import runner_config_checks
+from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
 from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
 from mmdtr.adapters.runner import MMDTRRunner
 from mmdtr.errors import MmdtrError
@@ -50,7 +51,8 @@ def test_train_and_resume_end_to_end(toy_config, tmp_path, run_train):
     assert 'Auto resumed from the latest checkpoint' in out
     assert 'resumed epoch: 0, iter: 2' in out
     assert (work_dir / 'iter_3.pth').is_file()
-    ckpt = torch.load(str(work_dir / 'iter_3.pth'), weights_only=True)
+    ckpt = torch.load(
+        str(work_dir / 'iter_3.pth'), weights_only=WEIGHTS_ONLY_BY_DEFAULT)
     assert ckpt['meta']['iter'] == 3
 
 
@@ -198,6 +200,10 @@ def test_resume_of_a_missing_file_is_refused(train_tool, toy_config, tmp_path):
     assert cfg.load_from == 'https://x.org/a.pth'
 
 
+@pytest.mark.fails_before_torch(
+    (2, 6),
+    reason='PyTorch 2.4 and 2.5 print a DeprecationWarning of their '
+    'own (mmengine imports torch.distributed.optim) before the error line')
 def test_bad_work_dir_and_resume_fail_in_one_line(toy_config, tmp_path,
                                                   run_train):
     # both ended in a traceback once the runner had been built

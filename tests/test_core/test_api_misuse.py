@@ -13,6 +13,7 @@ import torch
 import mmdtr.dtr
 from mmdtr import dtr
 from mmdtr.core.sizes import parse_size
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -37,7 +38,7 @@ def chain():
 
 def assert_thread_clean():
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert outer_saved_tensor_hooks() is None
     assert not dtr.is_enabled() and dtr.current_engine() is None
 
 

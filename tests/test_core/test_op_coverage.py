@@ -166,6 +166,10 @@ def test_freezing_cycles_and_long_chains(same_under_dtr, case):
     same_under_dtr(step, setup=lambda: torch.ones(64, 512))
 
 
+@pytest.mark.fails_before_torch(
+    (2, 6),
+    reason='this test\'s pass-through subclass cannot go back to '
+    'a plain tensor (as_subclass) on PyTorch 2.4 and 2.5')
 def test_write_through_a_subclass_is_seen(same_under_dtr):
 
     def setup():

@@ -20,6 +20,10 @@ def _fibonacci_step(x, links):
     return loss.detach()
 
 
+@pytest.mark.fails_before_torch(
+    (2, 5),
+    reason='on PyTorch 2.4 nothing in this graph is evictable at '
+    'these thresholds (fewer evictions there)')
 @pytest.mark.parametrize('fraction', [0.5, 0.0])
 def test_a_rebuild_reads_each_storage_it_rebuilt_once(fraction):
     # freed after its first use, each link was rebuilt once per path
@@ -82,7 +86,14 @@ def _under_dtr(step):
     return out
 
 
-@pytest.mark.parametrize('how', ['is_grads_batched', 'torch.func.vmap'])
+@pytest.mark.parametrize('how', [
+    'is_grads_batched',
+    pytest.param(
+        'torch.func.vmap',
+        marks=pytest.mark.fails_before_torch(
+            (2, 5),
+            reason='torch.func refuses saved-tensor hooks on PyTorch 2.4'))
+])
 def test_a_backward_under_vmap_replays_outside_it(how):
     # the replayed dropout ran inside vmap, which refuses random ops (or
     # batches them): a RuntimeError where eager runs (found by an

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from mmdtr.core.engine import EngineState
 from mmdtr.core.policies import build_policy
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR
 
 
@@ -247,7 +248,7 @@ def test_exception_in_scope_leaves_nothing_behind():
             lin(torch.randn(4, 16)).sin()
             raise KeyError('boom')
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert outer_saved_tensor_hooks() is None
     assert not engine.active and engine.stats.ops > 0
 
 
@@ -292,6 +293,10 @@ def test_rebuilds_in_two_threads_leave_the_recursion_limit_alone():
     assert sys.getrecursionlimit() == limit
 
 
+@pytest.mark.fails_before_torch(
+    (2, 6),
+    reason='randn_like has no generator overload on PyTorch 2.4 and '
+    '2.5: its replay sets the default generator, then puts it back')
 def test_replays_leave_the_default_generator_alone(monkeypatch):
     # a replay of dropout draws from a private copy of the recorded state:
     # setting the process-wide generator, even briefly, let another thread

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
 
 from mmdtr import dtr
 from mmdtr.core import collector
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -130,8 +131,7 @@ def test_an_outer_mode_left_first_does_not_leave_dtr_stuck():
         with pytest.raises(MmdtrError, match='popped by another mode'):
             dtr.disable()
         assert not dtr.is_enabled() and not dtr.engine_active()
-        assert torch._C._autograd._top_saved_tensors_default_hooks(
-            False) is None
+        assert outer_saved_tensor_hooks() is None
     finally:
         dtr.eviction_threshold = None
         while _get_current_dispatch_mode_stack():  # the one left entered

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR
 
 _WAKE = {}
@@ -16,7 +17,7 @@ _WAKE = {}
 def assert_thread_clean():
     from mmdtr import dtr
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert outer_saved_tensor_hooks() is None
     assert not dtr.is_enabled() and dtr.current_engine() is None
 
 

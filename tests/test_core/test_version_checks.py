@@ -125,6 +125,10 @@ def test_write_over_a_saved_chunk_still_refused(refused_like_eager):
     refused_like_eager(step)
 
 
+@pytest.mark.fails_before_torch(
+    (2, 5),
+    reason='PyTorch 2.4 hands out a rebuilt saved tensor with a '
+    'version counter of its own: a write through it is not refused')
 @pytest.mark.parametrize('reads', [1, 3])
 def test_write_through_a_rebuilt_saved_tensor_is_refused(
         refused_like_eager, reads):
@@ -149,6 +153,10 @@ def test_write_through_a_rebuilt_saved_tensor_is_refused(
     refused_like_eager(step)
 
 
+@pytest.mark.fails_before_torch(
+    (2, 5),
+    reason='PyTorch 2.4 hands out a rebuilt saved tensor with a '
+    'version counter of its own: a write through it is not refused')
 def test_saved_byte_tensor_over_a_whole_rebuilt_storage(refused_like_eager):
     # a 1-D uint8 tensor over a whole storage has the meta of the alias
     # the engine keeps of a storage it rebuilt: it was handed out as it,

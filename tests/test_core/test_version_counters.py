@@ -161,6 +161,10 @@ class _Forwarding(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.fails_before_torch(
+    (2, 6),
+    reason='this test\'s pass-through subclass cannot go back to '
+    'a plain tensor (as_subclass) on PyTorch 2.4 and 2.5')
 def test_half_done_write_with_a_subclass_argument(same_under_dtr):
     # the subclass path ran the op with no handler: rows written before
     # the error were lost to a rebuild

@@ -210,6 +210,7 @@ def test_recompute_takes_the_path_its_forward_took(order, change):
 
 
 @pytest.mark.parametrize('change', ['hook added', 'hook removed'])
+@pytest.mark.needs_selective_checkpointing
 def test_nested_checkpoints_take_the_path_their_forward_took(change):
     # checkpointed twice ('0.0', then '0'): the outer recompute runs the
     # inner checkpoint's forward again, which chose afresh and, with a

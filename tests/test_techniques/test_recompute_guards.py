@@ -109,6 +109,7 @@ def test_module_updating_a_buffer_is_refused(replace):
 @pytest.mark.parametrize('policy, norm', [('save_convolutions', False),
                                           ('save_compute_heavy', False),
                                           (['native_batch_norm'], True)])
+@pytest.mark.needs_selective_checkpointing
 def test_kept_output_written_in_place_is_refused_in_forward(policy, norm):
     # a convolution's (or batch norm's) kept output, then ReLU(inplace=True):
     # PyTorch's selective checkpointing raised its own RuntimeError in the
@@ -125,6 +126,7 @@ def test_kept_output_written_in_place_is_refused_in_forward(policy, norm):
     model(torch.randn(2, 3, 8, 8)).sum().backward()
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_in_place_ops_are_not_kept():
     with pytest.raises(MmdtrError, match='writes its input in place'):
         normalize_policy(['add_'])
@@ -140,6 +142,7 @@ def test_in_place_ops_are_not_kept():
                              ]) == ('aten._native_batch_norm_legit.default', )
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_frozen_module_writing_a_kept_output_is_not_refused():
     # no output requires grad: no backward recomputes it (mmdet's
     # frozen_stages with a checkpointed backbone; found by a review)
@@ -151,6 +154,7 @@ def test_frozen_module_writing_a_kept_output_is_not_refused():
     assert model[1].weight.grad is not None
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_kept_output_written_after_the_module_returns_is_refused():
     # the checkpointed module's forward saw no write; the parent's relu_
     # wrote the kept convolution output after it returned: refused when

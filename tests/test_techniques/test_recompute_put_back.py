@@ -29,7 +29,11 @@ class _DrawsFromItsGenerator(nn.Module):
         return torch.tanh(h) * keep + 0.1 * noise * h
 
 
-@pytest.mark.parametrize('policy', [None, 'save_matmuls'])
+@pytest.mark.parametrize('policy', [
+    None,
+    pytest.param(
+        'save_matmuls', marks=pytest.mark.needs_selective_checkpointing)
+])
 def test_module_drawing_from_its_own_generator_is_bit_identical(policy):
     # torch's checkpoint restores only the default generators: the
     # recompute drew the next numbers (gradients off by up to 1.06) and

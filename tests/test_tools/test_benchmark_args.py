@@ -186,6 +186,10 @@ def test_quick_headroom_is_checked_once_the_capacity_is_known(
     assert launcher.calls == ['baseline']
 
 
+@pytest.mark.fails_before_torch(
+    (2, 6),
+    reason='PyTorch 2.4 and 2.5 print a DeprecationWarning of their '
+    'own (mmengine imports torch.distributed.optim) before the error line')
 def test_bad_argument_is_one_line(tmp_path, benchmark_cli):
     proc = benchmark_cli('sweep', '--steps', '0', '--work-dir', str(tmp_path))
     assert proc.returncode == 1

@@ -75,6 +75,7 @@ def test_a_model_that_cannot_be_built_is_left_to_the_runner():
         _config(dict(type='NoSuchModel'), activation_checkpointing='x'))
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_two_checkpointing_hooks_with_other_policies_are_checked_too():
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
     hooks = [

@@ -1,0 +1,73 @@
+"""What the oldest PyTorch mmdtr supports (2.4) lacks, in one place.
+
+mmdtr runs on PyTorch >= 2.4. A few things it reads were added later; each
+is read here, with what stands in for it on an older release.
+"""
+from typing import Optional
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+
+#: ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` and
+#: ``CheckpointPolicy`` (PyTorch >= 2.5; 2.4 has a private, compile-only
+#: predecessor), or ``None``: selective policies are then refused.
+create_selective_checkpoint_contexts = getattr(
+    _checkpoint, 'create_selective_checkpoint_contexts', None)
+CheckpointPolicy = getattr(_checkpoint, 'CheckpointPolicy', None)
+
+
+def _storage_object_uses() -> int:
+    """What a storage's own Python object adds to its use count while no
+    Python name references the object (R3). On PyTorch 2.13 the object
+    holds the storage: 1. On 2.4 the storage owns its object then, which
+    holds it only while Python references it: 0."""
+    t = torch.empty(1)
+    t.untyped_storage()  # its Python object made, then unreferenced
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+#: Uses of a storage its Python object adds while unreferenced (R3).
+STORAGE_OBJECT_USES = _storage_object_uses()
+
+_top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks',
+                     None)
+
+
+def outer_saved_tensor_hooks() -> Optional[str]:
+    """Whether a ``saved_tensors_hooks`` context is active on this thread.
+
+    PyTorch 2.13 tells (``_top_saved_tensors_default_hooks``). PyTorch 2.4
+    and 2.5 do not, so a tensor is saved for backward by a tiny op, and its
+    saved value is asked to take hooks: autograd refuses a second pair when
+    the context's were set at the save. That runs the context's pack hook
+    once on a one-element tensor.
+
+    Returns:
+        str | None: ``None`` when no such context is active; else the name
+        of its pack hook (``'unknown'`` on PyTorch 2.4 and 2.5).
+    """
+    if _top_hooks is not None:
+        top = _top_hooks(False)
+        if top is None:
+            return None
+        return getattr(top[0], '__qualname__', repr(top[0]))
+    return 'unknown' if _hooks_set_at_save() else None
+
+
+def _hooks_set_at_save() -> bool:
+    """PyTorch 2.4, 2.5: whether a tensor saved now gets default hooks."""
+    with torch._C._DisableTorchDispatch(), torch.enable_grad(), \
+            torch.inference_mode(False):
+        x = torch.ones(1, requires_grad=True)
+        y = x * x
+    try:
+        y.grad_fn._raw_saved_self.register_hooks(_same, _same)
+    except RuntimeError as e:
+        if 'already been set' in str(e):
+            return True
+        raise
+    return False
+
+
+def _same(value):
+    return value
