@@ -34,13 +34,13 @@ _BATCH_NORM_TRAINING_ARG = {
 }
 _RUNNING_STATS = ('running_mean', 'running_var')
 
-#: Arguments written by kernels whose schemas in older PyTorch do not mark
-#: them, by op name: rrelu's ``noise`` is marked ``Tensor(b!)`` in PyTorch
-#: 2.13, not in 2.4 or 2.5 (the one difference of write annotations
-#: between the aten schemas of 2.4 and 2.13, compared op by op on
-#: 2026-11-27). Unmarked, the op was replayable, and a replay wrote the
-#: noise a backward reads, unseen (R6); a selective policy kept it.
-UNMARKED_WRITES = {
+# Arguments written by kernels whose schemas in older PyTorch do not mark
+# them, by op name: rrelu's ``noise`` is marked ``Tensor(b!)`` in PyTorch
+# 2.13, not in 2.4 or 2.5 (the one difference of write annotations
+# between the aten schemas of 2.4 and 2.13, compared op by op on
+# 2026-11-27). Unmarked, the op was replayable, and a replay wrote the
+# noise a backward reads, unseen (R6); a selective policy kept it.
+_UNMARKED_WRITES = {
     'rrelu_with_noise': 'noise',
     'rrelu_with_noise_': 'noise',
 }
@@ -231,7 +231,7 @@ def _classify(func) -> OpInfo:
     for ret in schema.returns:
         returned_sets |= _alias_sets(ret.alias_info)
     written, side_effects = [], []
-    unmarked = UNMARKED_WRITES.get(name)
+    unmarked = _UNMARKED_WRITES.get(name)
     for i, arg in enumerate(args):
         if arg.alias_info is not None and arg.alias_info.is_write:
             if _alias_sets(arg.alias_info) & returned_sets:

@@ -1,7 +1,10 @@
-"""What the oldest PyTorch mmdtr supports (2.4) lacks, in one place.
+"""What the engine and the techniques read that PyTorch 2.4 lacks.
 
 mmdtr runs on PyTorch >= 2.4. A few things it reads were added later; each
-is read here, with what stands in for it on an older release.
+is read here, with what stands in for it on an older release. Two version
+gates of behaviour stay beside the code they guard:
+``WEIGHTS_ONLY_BY_DEFAULT`` (:mod:`mmdtr.adapters.checkpoint_loading`) and
+``_COMPILED_STATS_ONCE`` (:mod:`mmdtr.techniques.activation_checkpointing`).
 """
 from typing import Optional
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils._pytree import tree_leaves
 
-from mmdtr.core.op_semantics import UNMARKED_WRITES
+from mmdtr.core.op_semantics import op_info
 from mmdtr.core.torch_compat import (CheckpointPolicy,
                                      create_selective_checkpoint_contexts)
 from mmdtr.errors import MmdtrError
@@ -105,11 +105,10 @@ def _not_kept_why(packet, op) -> Optional[str]:
         return ('writes its input in place: the output it would keep is '
                 'the written input, which selective checkpointing refuses '
                 'in backward')
-    unmarked = UNMARKED_WRITES.get(schema.name.split('::')[-1])
+    info = op_info(op)  # the engine's reading: unmarked writes too
     written = [
-        a.name for a in schema.arguments
-        if (a.alias_info is not None and a.alias_info.is_write
-            or a.name == unmarked) and a.name not in _KEPT_WRITES
+        info.arg_names[i] for i in info.written_args + info.side_effect_args
+        if info.arg_names[i] not in _KEPT_WRITES
     ]
     if written:
         return (f'writes its argument {written[0]!r}, which the recompute '
