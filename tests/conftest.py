@@ -14,9 +14,9 @@ from mmdtr.dtr import DTR
 # cuBLAS reads this when its handle is made: before any CUDA matmul
 os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
 
-#: marker -> (whether this PyTorch lacks it, why the test is skipped)
 _NO_SELECTIVE = torch_compat.create_selective_checkpoint_contexts is None
 _NO_HOOKS_READER = torch_compat._top_hooks is None
+#: marker -> (whether this PyTorch lacks it, why the test is skipped)
 _NEEDS = {
     'needs_selective_checkpointing':
     (_NO_SELECTIVE, 'selective checkpointing needs PyTorch >= 2.5'),
