@@ -34,7 +34,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -157,8 +157,11 @@ def inner_forward(module: nn.Module) -> Callable:
 _COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 5)
 
 
-def _compiled_norms_refused(owner: str) -> MmdtrError:
-    return MmdtrError(
+# raised outside dynamo's trace: dynamo 2.11 fails on a user exception raised
+# in traced code (an internal AssertionError instead); 2.4 and 2.13 pass it
+@torch.compiler.disable
+def _refuse_compiled_norms(owner: str) -> NoReturn:
+    raise MmdtrError(
         f'activation_checkpointing: {owner} is checkpointed under '
         f'torch.compile and holds a BatchNorm in training mode; on PyTorch '
         f'{torch.__version__} the compiled recompute updates its running '
@@ -207,7 +210,7 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     policy = getattr(self, _POLICY_ATTR, None)
     if torch.compiler.is_compiling():
         if not _COMPILED_STATS_ONCE and tracking_norms(self):
-            raise _compiled_norms_refused(_described(self))
+            _refuse_compiled_norms(_described(self))
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     norms, owner = tracking_norms(self), _described(self)
     forward_contexts = []
