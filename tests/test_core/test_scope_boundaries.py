@@ -2,7 +2,10 @@
 backward, with its dispatch mode on top. Elsewhere it is refused with a
 clear :class:`MmdtrError` and nothing changed; each case left the engine
 half-closed or undone before (found by an adversarial search)."""
+import functools
 import gc
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -22,6 +25,36 @@ def nothing_left_active(monkeypatch):
     monkeypatch.setattr(dtr, 'eviction_threshold', '1GB')  # for enable()
     yield
     assert not dtr.is_enabled() and collector.active_engines() == 0
+
+
+# PyTorch alone, no mmdtr: a mode left under another one, then popped
+_MODES_LEFT_OUT_OF_ORDER = """
+from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
+                                          _get_current_dispatch_mode_stack)
+from torch.utils.flop_counter import FlopCounterMode
+flops = FlopCounterMode(display=False)
+flops.__enter__()
+TorchDispatchMode().__enter__()
+flops.__exit__(None, None, None)  # pops the mode above it
+while _get_current_dispatch_mode_stack():
+    _pop_mode()
+"""
+
+
+@functools.lru_cache(None)
+def _torch_survives_modes_left_out_of_order():
+    return subprocess.run([sys.executable, '-c', _MODES_LEFT_OUT_OF_ORDER],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def modes_left_out_of_order():
+    """Skips where PyTorch itself crashes once a mode is left out of order
+    (PyTorch 2.6.0: a segmentation fault at exit, mmdtr not imported)."""
+    if not _torch_survives_modes_left_out_of_order():
+        pytest.skip(
+            f'PyTorch {torch.__version__} crashes when FlopCounterMode '
+            'is left out of order, without mmdtr')
 
 
 def _step():
@@ -116,7 +149,8 @@ def test_start_inside_saved_tensor_hooks_is_refused(outer):
     assert engine.stats.ops > 0
 
 
-def test_an_outer_mode_left_first_does_not_leave_dtr_stuck():
+def test_an_outer_mode_left_first_does_not_leave_dtr_stuck(
+        modes_left_out_of_order):
     # torch pops the top mode: leaving FlopCounterMode (entered first)
     # popped DTR's, and disable() refused for ever with the hooks still set
     # (found by an adversarial search)
@@ -138,7 +172,8 @@ def test_an_outer_mode_left_first_does_not_leave_dtr_stuck():
             _pop_mode()
 
 
-def test_the_body_error_goes_on_when_dtr_mode_was_popped():
+def test_the_body_error_goes_on_when_dtr_mode_was_popped(
+        modes_left_out_of_order):
     # the engine's report replaced the error of the with body (a review)
     from torch.utils._python_dispatch import _pop_mode
     from torch.utils.flop_counter import FlopCounterMode
