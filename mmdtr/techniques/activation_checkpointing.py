@@ -34,6 +34,7 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
+from types import MethodType
 from typing import Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
@@ -147,25 +148,29 @@ def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
 def inner_forward(module: nn.Module) -> Callable:
     """The forward a checkpoint of ``module`` runs, or, unwrapped, the
     one of its class (not one set on the instance)."""
+    # MethodType, not forward.__get__: dynamo 2.5 to 2.8 fail tracing the
+    # descriptor call (an InternalTorchDynamoError at the first call)
     return (module.__dict__.get(_ORIG_FORWARD)
-            or type(module).forward.__get__(module))
+            or MethodType(type(module).forward, module))
 
 
-#: Whether a compiled checkpoint updates running statistics once: not on
-#: PyTorch 2.4, whose compiled recompute updated them a second time
-#: (seen on 2.4.1, 2026-11-27; once on 2.11 and 2.13)
-_COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 5)
+#: Whether a compiled checkpoint updates running statistics once: its
+#: compiled recompute updated them a second time on 2.4.1, 2.6.0 and 2.8.0
+#: (2.5.1's dynamo failed first); once on 2.11.0, 2.13 and 2.14.1
+#: (2026-11-27). 2.9 and 2.10 were not run: refused, unsure
+_COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 11)
 
 
 # raised outside dynamo's trace: dynamo 2.11 fails on a user exception raised
-# in traced code (an internal AssertionError instead); 2.4 and 2.13 pass it
+# in traced code (an internal AssertionError instead); 2.4 and 2.13 pass it.
 @torch.compiler.disable
 def _refuse_compiled_norms(owner: str) -> NoReturn:
     raise MmdtrError(
         f'activation_checkpointing: {owner} is checkpointed under '
-        f'torch.compile and holds a BatchNorm in training mode; on PyTorch '
-        f'{torch.__version__} the compiled recompute updates its running '
-        'statistics a second time.',
+        f'torch.compile and holds a BatchNorm in training mode; before '
+        f'PyTorch 2.11 (this is {torch.__version__}) the compiled recompute '
+        'can update its running statistics a second time (seen on 2.4, 2.6 '
+        'and 2.8).',
         hint='do not compile the checkpointed model, leave that module out '
         'of activation_checkpointing, or use PyTorch 2.11 or newer (checked '
         'there).')

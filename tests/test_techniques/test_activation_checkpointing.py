@@ -10,7 +10,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.torch_version import TorchVersion
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.adapters.cpu_process_group import close_dist
@@ -27,13 +26,6 @@ class ConvBNReLU(nn.Sequential):
         super().__init__(
             nn.Conv2d(cin, cout, 3, padding=1, bias=False),
             nn.BatchNorm2d(cout), nn.ReLU())
-
-
-# dynamo fails to trace the checkpointed forward on PyTorch 2.5.1 (its own
-# InternalTorchDynamoError, at the first call; seen 2026-11-27)
-skip_where_dynamo_fails = pytest.mark.skipif(
-    (2, 5) <= TorchVersion(torch.__version__) < (2, 6),
-    reason='dynamo cannot trace a checkpointed forward on PyTorch 2.5')
 
 
 class ConvNet(nn.Module):
@@ -352,7 +344,6 @@ def test_nested_selection_wraps_outermost_only():
     pytest.param(
         'save_compute_heavy', marks=pytest.mark.needs_selective_checkpointing)
 ])
-@skip_where_dynamo_fails
 def test_torch_compile_bit_identical(policy):
     """Under torch.compile (aot_eager: dynamo + AOTAutograd, no C++)."""
     torch._dynamo.reset()
@@ -362,7 +353,7 @@ def test_torch_compile_bit_identical(policy):
     apply_activation_checkpointing(ckpt, 'layer*', policy)
     compiled = torch.compile(ckpt, backend='aot_eager')
     x, y = _conv_batch()
-    if not _COMPILED_STATS_ONCE:  # PyTorch 2.4
+    if not _COMPILED_STATS_ONCE:  # PyTorch before 2.11
         with pytest.raises(MmdtrError, match='running statistics a second'):
             compiled(x)
         return
@@ -375,10 +366,9 @@ def test_torch_compile_bit_identical(policy):
     assert int(ckpt.layer1[0][1].num_batches_tracked) == 1
 
 
-@skip_where_dynamo_fails
 def test_torch_compile_refused_where_stats_would_update_twice(monkeypatch):
-    # PyTorch 2.4's compiled recompute updated BatchNorm's running
-    # statistics a second time: refused there, loudly
+    # before PyTorch 2.11 the compiled recompute updated BatchNorm's
+    # running statistics a second time: refused there, loudly
     from mmdtr.techniques import activation_checkpointing
     monkeypatch.setattr(activation_checkpointing, '_COMPILED_STATS_ONCE',
                         False)
