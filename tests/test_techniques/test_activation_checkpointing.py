@@ -353,7 +353,7 @@ def test_torch_compile_bit_identical(policy):
     apply_activation_checkpointing(ckpt, 'layer*', policy)
     compiled = torch.compile(ckpt, backend='aot_eager')
     x, y = _conv_batch()
-    if not _COMPILED_STATS_ONCE:  # PyTorch before 2.11
+    if not _COMPILED_STATS_ONCE:  # PyTorch before 2.10
         with pytest.raises(MmdtrError, match='running statistics a second'):
             compiled(x)
         return
@@ -367,7 +367,7 @@ def test_torch_compile_bit_identical(policy):
 
 
 def test_torch_compile_refused_where_stats_would_update_twice(monkeypatch):
-    # before PyTorch 2.11 the compiled recompute updated BatchNorm's
+    # before PyTorch 2.10 the compiled recompute updated BatchNorm's
     # running statistics a second time: refused there, loudly
     from mmdtr.techniques import activation_checkpointing
     monkeypatch.setattr(activation_checkpointing, '_COMPILED_STATS_ONCE',
