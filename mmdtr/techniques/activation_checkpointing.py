@@ -156,9 +156,9 @@ def inner_forward(module: nn.Module) -> Callable:
 
 #: Whether a compiled checkpoint updates running statistics once: its
 #: compiled recompute updated them a second time on 2.4.1, 2.6.0 and 2.8.0
-#: (2.5.1's dynamo failed first); once on 2.10.0, 2.11.0, 2.13 and 2.14.1
-#: (2026-11-27). 2.9 was not run: refused, unsure
-_COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 10)
+#: (2.5.1's dynamo failed first); once on 2.9.1, 2.10.0, 2.11.0, 2.13 and
+#: 2.14.1 (2026-11-27). 2.7 was not run
+_COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 9)
 
 
 # raised outside dynamo's trace: dynamo 2.11 fails on a user exception raised
@@ -168,11 +168,11 @@ def _refuse_compiled_norms(owner: str) -> NoReturn:
     raise MmdtrError(
         f'activation_checkpointing: {owner} is checkpointed under '
         f'torch.compile and holds a BatchNorm in training mode; before '
-        f'PyTorch 2.10 (this is {torch.__version__}) the compiled recompute '
+        f'PyTorch 2.9 (this is {torch.__version__}) the compiled recompute '
         'can update its running statistics a second time (seen on 2.4, 2.6 '
         'and 2.8).',
         hint='do not compile the checkpointed model, leave that module out '
-        'of activation_checkpointing, or use PyTorch 2.10 or newer (checked '
+        'of activation_checkpointing, or use PyTorch 2.9 or newer (checked '
         'there).')
 
 

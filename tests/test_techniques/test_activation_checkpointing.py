@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.adapters.cpu_process_group import close_dist
@@ -339,11 +340,22 @@ def test_nested_selection_wraps_outermost_only():
     assert not is_checkpointed(model.layer2[0][1])
 
 
-@pytest.mark.parametrize('policy', [
-    None,
-    pytest.param(
-        'save_compute_heavy', marks=pytest.mark.needs_selective_checkpointing)
-])
+@pytest.mark.parametrize(
+    'policy',
+    [
+        None,
+        pytest.param(
+            'save_compute_heavy',
+            marks=[
+                pytest.mark.needs_selective_checkpointing,
+                # refused before 2.9 (running statistics), as the plain one
+                pytest.mark.xfail(
+                    (2, 9) <= TorchVersion(torch.__version__) < (2, 10),
+                    strict=True,
+                    reason='dynamo 2.9 cannot trace a selective policy object '
+                    '(its own InternalTorchDynamoError at the first call)')
+            ])
+    ])
 def test_torch_compile_bit_identical(policy):
     """Under torch.compile (aot_eager: dynamo + AOTAutograd, no C++)."""
     torch._dynamo.reset()
@@ -353,7 +365,7 @@ def test_torch_compile_bit_identical(policy):
     apply_activation_checkpointing(ckpt, 'layer*', policy)
     compiled = torch.compile(ckpt, backend='aot_eager')
     x, y = _conv_batch()
-    if not _COMPILED_STATS_ONCE:  # PyTorch before 2.10
+    if not _COMPILED_STATS_ONCE:  # PyTorch before 2.9
         with pytest.raises(MmdtrError, match='running statistics a second'):
             compiled(x)
         return
@@ -367,7 +379,7 @@ def test_torch_compile_bit_identical(policy):
 
 
 def test_torch_compile_refused_where_stats_would_update_twice(monkeypatch):
-    # before PyTorch 2.10 the compiled recompute updated BatchNorm's
+    # before PyTorch 2.9 the compiled recompute updated BatchNorm's
     # running statistics a second time: refused there, loudly
     from mmdtr.techniques import activation_checkpointing
     monkeypatch.setattr(activation_checkpointing, '_COMPILED_STATS_ONCE',
