@@ -43,18 +43,22 @@ while _get_current_dispatch_mode_stack():
 
 @functools.lru_cache(None)
 def _torch_survives_modes_left_out_of_order():
-    return subprocess.run([sys.executable, '-c', _MODES_LEFT_OUT_OF_ORDER],
-                          capture_output=True).returncode == 0
+    try:
+        return subprocess.run([sys.executable, '-c', _MODES_LEFT_OUT_OF_ORDER],
+                              capture_output=True,
+                              timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 @pytest.fixture
 def modes_left_out_of_order():
-    """Skips where PyTorch itself crashes once a mode is left out of order
-    (PyTorch 2.6.0: a segmentation fault at exit, mmdtr not imported)."""
+    """Skips where PyTorch itself fails once a mode is left out of order,
+    mmdtr not imported: a segmentation fault at exit on 2.6.0, a process
+    that never exits on 2.8.0."""
     if not _torch_survives_modes_left_out_of_order():
-        pytest.skip(
-            f'PyTorch {torch.__version__} crashes when FlopCounterMode '
-            'is left out of order, without mmdtr')
+        pytest.skip(f'PyTorch {torch.__version__} crashes or hangs when '
+                    'FlopCounterMode is left out of order, without mmdtr')
 
 
 def _step():
