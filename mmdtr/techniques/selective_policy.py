@@ -7,7 +7,7 @@ is read; :func:`save_policy` builds the policy function given to
 :func:`written_kept_output` finds, after a checkpointed forward, a kept
 output that a later op wrote in place (which PyTorch refuses in backward).
 """
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -94,7 +94,7 @@ def _not_kept_why(packet, op) -> Optional[str]:
     argument that backward reads (``rrelu_with_noise``'s noise: the
     recompute skips it, so backward read uninitialised noise); and an op
     drawing random numbers, but for attention with ``dropout_p``, which
-    :class:`_SavePolicy` keeps only when it is 0 (the recompute skips a
+    :func:`_keeping`'s policy keeps only when it is 0 (the recompute skips a
     kept op's draw, so the ops after it drew other numbers). Found by an
     adversarial search.
     """
@@ -196,26 +196,30 @@ def normalize_policy(policy: Union[None, str, Sequence[str]]
     return canonical
 
 
-class _SavePolicy:
-    """SAC policy: keep the outputs of ``overloads``, recompute the rest.
+def _keeping(overloads: Tuple[object, ...]) -> Callable:
+    """The SAC policy function: keep the outputs of ``overloads``,
+    recompute the rest. A plain function, not an object with
+    ``__call__``: dynamo before 2.10 takes only a function as the policy
+    under ``torch.compile`` (its own error at the first call otherwise).
 
     Args:
         overloads (tuple[OpOverload]): The aten op overloads to keep.
+
+    Returns:
+        Callable: The policy, with the attributes ``overloads`` and
+        ``ops`` (the same, as a frozenset).
     """
+    ops = frozenset(overloads)
+    # attention ops that draw only with dropout_p > 0 (_not_kept_why)
+    dropout_index = {
+        op: i
+        for op in overloads if (i := _dropout_index(op)) is not None
+    }
 
-    def __init__(self, overloads: Tuple[object, ...]):
-        self.overloads = overloads
-        self.ops = frozenset(overloads)
-        # attention ops that draw only with dropout_p > 0 (_not_kept_why)
-        self.dropout_index = {
-            op: i
-            for op in overloads if (i := _dropout_index(op)) is not None
-        }
-
-    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op not in self.ops:
+    def keep_or_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in ops:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        i = self.dropout_index.get(op)
+        i = dropout_index.get(op)
         if i is not None:
             p = kwargs['dropout_p'] if 'dropout_p' in kwargs else (
                 args[i] if i < len(args) else 0.0)
@@ -223,13 +227,17 @@ class _SavePolicy:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
-
-#: canonical policy names -> their _SavePolicy (a plain dict, not an
-#: lru_cache, so torch.compile can read it without a warning)
-_SAVE_POLICIES: Dict[Tuple[str, ...], _SavePolicy] = {}
+    keep_or_recompute.overloads, keep_or_recompute.ops = overloads, ops
+    return keep_or_recompute
 
 
-def save_policy(names: Tuple[str, ...]) -> _SavePolicy:
+#: canonical policy names -> their policy function (a plain dict, not an
+#: lru_cache, so torch.compile can read it without a warning; built before
+#: any trace, so dynamo finds a function made outside it)
+_SAVE_POLICIES: Dict[Tuple[str, ...], Callable] = {}
+
+
+def save_policy(names: Tuple[str, ...]) -> Callable:
     """The SAC policy function that keeps the outputs of ``names``' ops.
 
     Built once per ``names`` and cached.
@@ -241,7 +249,7 @@ def save_policy(names: Tuple[str, ...]) -> _SavePolicy:
             for every overload of it that a policy may keep.
 
     Returns:
-        _SavePolicy: The policy function for
+        Callable: The policy function for
         :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`.
     """
     policy = _SAVE_POLICIES.get(names)
@@ -251,7 +259,7 @@ def save_policy(names: Tuple[str, ...]) -> _SavePolicy:
             parts = name.split('.')[1:]
             overloads += _kept_overloads(
                 getattr(torch.ops.aten, parts[0]), parts[1:])
-        policy = _SAVE_POLICIES[names] = _SavePolicy(tuple(overloads))
+        policy = _SAVE_POLICIES[names] = _keeping(tuple(overloads))
     return policy
 
 

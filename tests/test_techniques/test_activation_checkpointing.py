@@ -10,7 +10,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.torch_version import TorchVersion
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.adapters.cpu_process_group import close_dist
@@ -357,22 +356,11 @@ def dynamo_compiles():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize(
-    'policy',
-    [
-        None,
-        pytest.param(
-            'save_compute_heavy',
-            marks=[
-                pytest.mark.needs_selective_checkpointing,
-                # refused before 2.9 (running statistics), as the plain one
-                pytest.mark.xfail(
-                    (2, 9) <= TorchVersion(torch.__version__) < (2, 10),
-                    strict=True,
-                    reason='dynamo 2.9 cannot trace a selective policy object '
-                    '(its own InternalTorchDynamoError at the first call)')
-            ])
-    ])
+@pytest.mark.parametrize('policy', [
+    None,
+    pytest.param(
+        'save_compute_heavy', marks=pytest.mark.needs_selective_checkpointing)
+])
 def test_torch_compile_bit_identical(policy, dynamo_compiles):
     """Under torch.compile (aot_eager: dynamo + AOTAutograd, no C++)."""
     torch._dynamo.reset()
@@ -393,6 +381,27 @@ def test_torch_compile_bit_identical(policy, dynamo_compiles):
     _assert_bit_identical(plain, ckpt, [loss_plain.detach()],
                           [loss_ckpt.detach()])
     assert int(ckpt.layer1[0][1].num_batches_tracked) == 1
+
+
+@pytest.mark.needs_selective_checkpointing
+def test_torch_compile_takes_a_selective_policy_without_norms(dynamo_compiles):
+    # no BatchNorm: compiled on every PyTorch with selective checkpointing.
+    # Dynamo before 2.10 failed at the first call while the policy was an
+    # object with __call__ (seen on 2.9.1)
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(),
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 4))
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, '2', 'save_compute_heavy')
+    compiled = torch.compile(ckpt, backend='aot_eager')
+    x = torch.randn(8, 16)
+    loss_plain = plain(x).square().sum()
+    loss_plain.backward()
+    loss_ckpt = compiled(x).square().sum()
+    loss_ckpt.backward()
+    _assert_bit_identical(plain, ckpt, [loss_plain.detach()],
+                          [loss_ckpt.detach()])
 
 
 def test_torch_compile_refused_where_stats_would_update_twice(
