@@ -22,7 +22,7 @@ _NEEDS = {
     (_NO_SELECTIVE, 'selective checkpointing needs PyTorch >= 2.5'),
     'needs_hooks_on_top':
     (_NO_HOOKS_READER,
-     'PyTorch 2.4 and 2.5 cannot name the saved-tensor hooks in force'),
+     'PyTorch before 2.8 cannot name the saved-tensor hooks in force'),
     'needs_weights_only_default':
     (not WEIGHTS_ONLY_BY_DEFAULT,
      'torch.load loads weights only by default from PyTorch 2.6'),

@@ -34,7 +34,6 @@ the backward. Compared with MMEngine's ``turn_on_activation_checkpointing``
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
-from types import MethodType
 from typing import Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
@@ -148,10 +147,8 @@ def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
 def inner_forward(module: nn.Module) -> Callable:
     """The forward a checkpoint of ``module`` runs, or, unwrapped, the
     one of its class (not one set on the instance)."""
-    # MethodType, not forward.__get__: dynamo 2.5 to 2.8 fail tracing the
-    # descriptor call (an InternalTorchDynamoError at the first call)
     return (module.__dict__.get(_ORIG_FORWARD)
-            or MethodType(type(module).forward, module))
+            or type(module).forward.__get__(module))
 
 
 #: Whether a compiled checkpoint updates running statistics once: its
@@ -207,7 +204,15 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     names are kept aside), so they cannot clash with checkpoint's own
     options and their tensors count for RNG-state preservation.
     """
-    inner = inner_forward(self)
+    if torch.compiler.is_compiling():
+        # a partial, not forward.__get__ (dynamo 2.5 and 2.6 failed
+        # tracing the descriptor call at the first call) nor MethodType (a
+        # graph break per module from 2.8 on)
+        inner = (
+            self.__dict__.get(_ORIG_FORWARD)
+            or functools.partial(type(self).forward, self))
+    else:
+        inner = inner_forward(self)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     keys = tuple(kwargs)

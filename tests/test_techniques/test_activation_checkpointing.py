@@ -383,6 +383,23 @@ def test_torch_compile_bit_identical(policy, dynamo_compiles):
     assert int(ckpt.layer1[0][1].num_batches_tracked) == 1
 
 
+@pytest.mark.fails_before_torch(
+    (2, 5),
+    reason='dynamo 2.4 breaks the graph at named_modules, which the '
+    'BatchNorm refusal reads there')
+def test_torch_compile_makes_one_graph_of_checkpointed_modules(
+        dynamo_compiles):
+    # the forward beneath the checkpoint was bound by MethodType for a
+    # while: a graph break per checkpointed module (2.8 to 2.13)
+    from torch._dynamo.utils import counters
+    model = ConvNet(depth=1).eval()  # eval: not refused before 2.9
+    apply_activation_checkpointing(model, 'layer*')
+    counters.clear()
+    torch.compile(model, backend='aot_eager')(_conv_batch()[0])
+    assert not counters['graph_break']
+    assert counters['stats']['unique_graphs'] == 1
+
+
 @pytest.mark.needs_selective_checkpointing
 def test_torch_compile_takes_a_selective_policy_without_norms(dynamo_compiles):
     # no BatchNorm: compiled on every PyTorch with selective checkpointing.
