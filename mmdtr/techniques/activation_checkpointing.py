@@ -144,11 +144,20 @@ def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
     return forward(*args, **dict(zip(keys, values)))
 
 
-def inner_forward(module: nn.Module) -> Callable:
+def inner_forward(module: nn.Module, compiling: bool = False) -> Callable:
     """The forward a checkpoint of ``module`` runs, or, unwrapped, the
-    one of its class (not one set on the instance)."""
-    return (module.__dict__.get(_ORIG_FORWARD)
-            or type(module).forward.__get__(module))
+    one of its class (not one set on the instance).
+
+    ``compiling``: inside a torch.compile trace, the class's forward is
+    bound by a partial, not ``forward.__get__`` (dynamo 2.5 and 2.6 failed
+    tracing the descriptor call at the first call) nor ``MethodType`` (a
+    graph break per module from 2.8 on)."""
+    own = module.__dict__.get(_ORIG_FORWARD)
+    if own is not None:
+        return own
+    if compiling:
+        return functools.partial(type(module).forward, module)
+    return type(module).forward.__get__(module)
 
 
 #: Whether a compiled checkpoint updates running statistics once: its
@@ -204,21 +213,14 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     names are kept aside), so they cannot clash with checkpoint's own
     options and their tensors count for RNG-state preservation.
     """
-    if torch.compiler.is_compiling():
-        # a partial, not forward.__get__ (dynamo 2.5 and 2.6 failed
-        # tracing the descriptor call at the first call) nor MethodType (a
-        # graph break per module from 2.8 on)
-        inner = (
-            self.__dict__.get(_ORIG_FORWARD)
-            or functools.partial(type(self).forward, self))
-    else:
-        inner = inner_forward(self)
+    compiling = torch.compiler.is_compiling()
+    inner = inner_forward(self, compiling)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     keys = tuple(kwargs)
     run = functools.partial(_call_with_kwargs, inner, len(args), keys)
     policy = getattr(self, _POLICY_ATTR, None)
-    if torch.compiler.is_compiling():
+    if compiling:
         if not _COMPILED_STATS_ONCE and tracking_norms(self):
             _refuse_compiled_norms(_described(self))
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
