@@ -40,14 +40,14 @@ def outer_saved_tensor_hooks() -> Optional[str]:
     """Whether a ``saved_tensors_hooks`` context is active on this thread.
 
     PyTorch 2.8 and later tell (``_top_saved_tensors_default_hooks``).
-    PyTorch 2.4 to 2.6 do not (2.7 not run), so a tensor is saved for
+    PyTorch 2.4 to 2.7 do not, so a tensor is saved for
     backward by a tiny op, and its saved value is asked to take hooks:
     autograd refuses a second pair when the context's were set at the save.
     That runs the context's pack hook once on a one-element tensor.
 
     Returns:
         str | None: ``None`` when no such context is active; else the name
-        of its pack hook (``'unknown'`` on PyTorch 2.4 to 2.6).
+        of its pack hook (``'unknown'`` on PyTorch 2.4 to 2.7).
     """
     if _top_hooks is not None:
         top = _top_hooks(False)
@@ -58,7 +58,7 @@ def outer_saved_tensor_hooks() -> Optional[str]:
 
 
 def _hooks_set_at_save() -> bool:
-    """PyTorch 2.4 to 2.6: whether a tensor saved now gets default hooks."""
+    """PyTorch 2.4 to 2.7: whether a tensor saved now gets default hooks."""
     with torch._C._DisableTorchDispatch(), torch.enable_grad(), \
             torch.inference_mode(False):
         x = torch.ones(1, requires_grad=True)
