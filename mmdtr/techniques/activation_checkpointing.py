@@ -39,11 +39,13 @@ from typing import Callable, List, NoReturn, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 from torch.torch_version import TorchVersion
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from mmdtr.core.torch_compat import create_selective_checkpoint_contexts
 from mmdtr.errors import MmdtrError
+from .checkpoint_calls import (CallerContainersFirst, call_with_kwargs,
+                               frozen_output)
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
@@ -138,12 +140,6 @@ def _context_fn(norms: list, generators: GeneratorStates, modes: TrainingModes,
         inputs, params, generation, owner)
 
 
-def _call_with_kwargs(forward: Callable, num_args: int, keys: Tuple[str, ...],
-                      *inputs):
-    args, values = inputs[:num_args], inputs[num_args:]
-    return forward(*args, **dict(zip(keys, values)))
-
-
 def inner_forward(module: nn.Module, compiling: bool = False) -> Callable:
     """The forward a checkpoint of ``module`` runs, or, unwrapped, the
     one of its class (not one set on the instance).
@@ -161,9 +157,9 @@ def inner_forward(module: nn.Module, compiling: bool = False) -> Callable:
 
 
 #: Whether a compiled checkpoint updates running statistics once: its
-#: compiled recompute updated them a second time on 2.4.1, 2.5.1, 2.6.0
-#: and 2.8.0; once on 2.9.1, 2.10.0, 2.11.0, 2.13 and 2.14.1 (2026-11-27).
-#: 2.7 was not run
+#: compiled recompute updated them a second time on 2.4.1, 2.5.1, 2.6.0,
+#: 2.7.1 and 2.8.0; once on 2.9.1, 2.10.0, 2.11.0, 2.13 and 2.14.1
+#: (2026-11-27)
 _COMPILED_STATS_ONCE = TorchVersion(torch.__version__) >= (2, 9)
 
 
@@ -209,29 +205,35 @@ else:  # pragma: no cover - older torch
 def checkpointed_forward(self: nn.Module, *args, **kwargs):
     """The forward installed on checkpointed modules (bound per module).
 
-    Keyword arguments are passed to :func:`checkpoint` positionally (their
-    names are kept aside), so they cannot clash with checkpoint's own
-    options and their tensors count for RNG-state preservation.
+    The leaves of the arguments (keyword ones and those inside lists and
+    dicts too) are passed to :func:`checkpoint` positionally, so they cannot
+    clash with checkpoint's own options and their tensors count for
+    RNG-state preservation; a module whose parameters are not made yet (a
+    lazy one) runs its call without checkpoint.
     """
     compiling = torch.compiler.is_compiling()
     inner = inner_forward(self, compiling)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
-    keys = tuple(kwargs)
-    run = functools.partial(_call_with_kwargs, inner, len(args), keys)
     policy = getattr(self, _POLICY_ATTR, None)
     if compiling:
         if not _COMPILED_STATS_ONCE and tracking_norms(self):
             _refuse_compiled_norms(_described(self))
+        run = functools.partial(call_with_kwargs, inner, len(args),
+                                tuple(kwargs))
         return _compiled_checkpoint(run, policy, *args, *kwargs.values())
     norms, owner = tracking_norms(self), _described(self)
     forward_contexts = []
     # tensors inside lists, tuples and dicts too (a neck's feature list)
-    leaves = tree_leaves((args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs))
     inputs = watch_versions(leaves)
     # what the recompute reads, as the forward leaves it (filled after it)
     watched_inputs, params, generation = [], state_record(self), [0]
-    params.note_forward(self, norms)
+    if not params.note_forward(self, norms):
+        # a lazy module's parameters are made (from the global RNG) by its
+        # first call: run as it is, or the recompute's RNG would be put
+        # back to before that draw (found by a review)
+        return inner(*args, **kwargs)
     context_fn = functools.partial(_context_fn, norms,
                                    GeneratorStates(self, leaves),
                                    TrainingModes(self), policy,
@@ -242,16 +244,13 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # per call where torch takes it: the switch is process-wide
     with _NO_EARLY_STOP():
         out = checkpoint(
-            run,
-            *args,
-            *kwargs.values(),
+            CallerContainersFirst(inner, args, kwargs, spec),
+            *leaves,
             use_reentrant=False,
             preserve_rng_state=True,
             context_fn=context_fn,
             **_EARLY_STOP_OFF)
-    if not any(
-            t.requires_grad
-            for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+    if frozen_output(out):
         return out  # no backward reaches it, no recompute: as it is
     if written_since(inputs) is not None:
         # the recompute would run on the written input: autograd's in-place

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import UninitializedTensorMixin
 
 from mmdtr.errors import MmdtrError
 from .recompute_put_back import GeneratorStates, TrainingModes
@@ -152,6 +153,16 @@ class RecomputeContext:
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
+        statistics = self.params.statistics_updated_since(self.generation[0])
+        if statistics is not None:
+            raise MmdtrError(
+                f'activation_checkpointing: a checkpointed {self.owner} was '
+                'called in eval mode, which reads the running statistics '
+                f'{statistics!r}, then, before this backward, in training '
+                'mode, which updated them; the recomputation of the first '
+                'call would read the updated values.',
+                hint='run the eval-mode call under torch.no_grad() (or after '
+                'this backward), or leave that module unchecked.')
         written = written_since(self.inputs)
         changed = f'an input (shape {tuple(written.shape)})' if \
             written is not None else self.params.changed_since(
@@ -214,6 +225,9 @@ class StateRecord:
         # (weak tensor, version, weak owner, '_parameters' or '_buffers',
         # name, qualified name) per watched tensor
         self.watched, self.generation = [], 0
+        # (generation, name): the latest call that updated running
+        # statistics earlier calls had read
+        self.statistics_switch = (-1, None)
 
     def update(
         self,
@@ -234,19 +248,7 @@ class StateRecord:
                             for ref, _, *place in self.watched
                             if ref() is not None]
             return
-        guarded = {id(norm) for norm in norms}
-        watched = []
-        for prefix, owner in module.named_modules():
-            for table in ('_parameters', '_buffers'):
-                for name, t in getattr(owner, table).items():
-                    if t is None or t.is_inference() or (
-                            table == '_buffers' and id(owner) in guarded
-                            and name in NORM_BUFFERS):
-                        continue
-                    watched.append(
-                        (weakref.ref(t), t._version, weakref.ref(owner), table,
-                         name, f'{prefix}.{name}' if prefix else name))
-        self.watched = watched
+        self.watched = _watch(module, norms)
 
     def _first_changed(self, tables=('_parameters', '_buffers')):
         """The entry of the first watched tensor of ``tables`` written in
@@ -285,7 +287,7 @@ class StateRecord:
         return f'{type(owner).__name__}.{entry[4]}'
 
     def note_forward(self, module: nn.Module,
-                     norms: Sequence[_NormBase]) -> None:
+                     norms: Sequence[_NormBase]) -> bool:
         """At a forward's start: a write since the record is not the
         module's own.
 
@@ -297,10 +299,37 @@ class StateRecord:
             module (nn.Module): The checkpointed module.
             norms (Sequence[_NormBase]): Its norm layers that update
                 running statistics (:func:`tracking_norms`).
+
+        Returns:
+            bool: False, with nothing recorded, if a parameter or buffer of
+            ``module`` is not made yet (a lazy module's, before its first
+            call): that call is not to be checkpointed.
         """
+        watched = _watch(module, norms)
+        if watched is None:
+            return False
         if self._changed() is not None:
             self.generation += 1
-        self.update(module, norms)
+        read = self._statistics_read_before(norms)
+        if read is not None:
+            # the calls before read them (in eval mode); this one updates
+            # them (in training mode): their recompute may not run (found by
+            # a review)
+            self.generation += 1
+            self.statistics_switch = (self.generation, read)
+        self.watched = watched
+        return True
+
+    def _statistics_read_before(self, norms: Sequence[_NormBase]):
+        """The qualified name of a running statistic the record watches
+        (read by an earlier call: its norm was not updating it) that one of
+        ``norms`` updates now, or None."""
+        updating = {id(norm) for norm in norms}
+        for _, _, owner_ref, table, name, qualified in self.watched:
+            if table == '_buffers' and name in NORM_BUFFERS \
+                    and id(owner_ref()) in updating:
+                return qualified
+        return None
 
     def changed_since(self, generation: int) -> Optional[str]:
         """What was written or replaced since the record, or since the call
@@ -321,6 +350,35 @@ class StateRecord:
         if generation != self.generation:
             return 'a parameter or buffer, between two of its calls,'
         return None
+
+    def statistics_updated_since(self, generation: int) -> Optional[str]:
+        """The qualified name of a running statistic a later call updated
+        in training mode after the call of ``generation`` read it in eval
+        mode, or None."""
+        switched_at, name = self.statistics_switch
+        return name if switched_at > generation else None
+
+
+def _watch(module: nn.Module, norms: Sequence[_NormBase]) -> Optional[list]:
+    """The entries of :class:`StateRecord` for ``module``'s parameters and
+    buffers but the running statistics of ``norms``; None if one is not
+    made yet (``UninitializedParameter``: its shape and version are
+    unknown)."""
+    guarded = {id(norm) for norm in norms}
+    watched = []
+    for prefix, owner in module.named_modules():
+        for table in ('_parameters', '_buffers'):
+            for name, t in getattr(owner, table).items():
+                if isinstance(t, UninitializedTensorMixin):
+                    return None
+                if t is None or t.is_inference() or (table == '_buffers'
+                                                     and id(owner) in guarded
+                                                     and name in NORM_BUFFERS):
+                    continue
+                watched.append(
+                    (weakref.ref(t), t._version, weakref.ref(owner), table,
+                     name, f'{prefix}.{name}' if prefix else name))
+    return watched
 
 
 #: module -> its :class:`StateRecord`

@@ -1,0 +1,193 @@
+"""How a checkpointed module is called: its mode from call to call, what it
+returns, parameters not made yet, and containers it is given. Each case is
+bit-identical to the plain model or refused with an MmdtrError (found by a
+review, 2026-11-27)."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mmdtr.errors import MmdtrError
+from mmdtr.techniques.activation_checkpointing import \
+    apply_activation_checkpointing
+
+
+def _assert_same(plain: nn.Module, ckpt: nn.Module):
+    for (name, p), (_, q) in zip(plain.named_parameters(),
+                                 ckpt.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+        assert torch.equal(p, q), name
+    for (name, b), (_, c) in zip(plain.named_buffers(), ckpt.named_buffers()):
+        assert torch.equal(b, c), name
+
+
+def _block():
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()))
+
+
+def _inputs(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def test_eval_call_then_training_call_is_refused():
+    # the eval call's recompute read the running statistics the training
+    # call updated since: every gradient differed, silently
+    torch.manual_seed(0)
+    model = _block()
+    apply_activation_checkpointing(model, '0')
+    x = _inputs(8, 4)
+    model.eval()
+    a = model(x)
+    model.train()
+    b = model(x * 2)
+    with pytest.raises(MmdtrError, match='running statistics'):
+        ((a - b)**2).sum().backward()
+
+
+def test_training_call_then_eval_call_is_exact():
+    # the other order is exact: the training call's recompute reads batch
+    # statistics, the eval call's the statistics it read
+    torch.manual_seed(0)
+    plain = _block()
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, '0')
+    x = _inputs(8, 4)
+    for model in (plain, ckpt):
+        model.train()
+        a = model(x)
+        model.eval()
+        b = model(x * 2)
+        ((a - b)**2).sum().backward()
+    _assert_same(plain, ckpt)
+
+
+def test_modes_switched_between_steps_are_exact():
+    # a mode switched after the backward of the last call refuses nothing
+    torch.manual_seed(0)
+    plain = _block()
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, '0')
+    x = _inputs(8, 4)
+    for model in (plain, ckpt):
+        for training in (False, True, False):
+            model.train(training)
+            model(x).pow(2).sum().backward()
+    _assert_same(plain, ckpt)
+
+
+@dataclasses.dataclass
+class _Output:
+    feat: torch.Tensor
+
+
+class _ReturnsADataclass(nn.Module):
+
+    def __init__(self, writes_input=False):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.writes_input = writes_input
+
+    def forward(self, x):
+        if self.writes_input:
+            x.mul_(2)
+        return _Output(self.fc(x).tanh())
+
+
+def test_module_returning_a_dataclass_trains_exactly():
+    # no tensor was found in the output, so it was taken for a frozen
+    # module's: its record was not brought up to date and the second step
+    # was refused, though nothing was written
+    torch.manual_seed(0)
+    plain = nn.ModuleDict(dict(block=_ReturnsADataclass()))
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, 'block')
+    x = _inputs(3, 4)
+    for model in (plain, ckpt):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model['block'](x).feat.pow(2).sum().backward()
+            optimizer.step()
+    _assert_same(plain, ckpt)
+
+
+def test_module_returning_a_dataclass_writing_its_input_is_refused():
+    # the checks after the forward were skipped: autograd's raw in-place
+    # error came in backward instead
+    model = nn.ModuleDict(
+        dict(stem=nn.Linear(4, 4), block=_ReturnsADataclass(True)))
+    apply_activation_checkpointing(model, 'block')
+    with pytest.raises(MmdtrError, match='writes its input in place'):
+        model['block'](model['stem'](_inputs(3, 4)))
+
+
+class _Counted(nn.Module):
+    """Tanh that counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.tanh()
+
+
+def test_lazy_parameters_are_made_by_a_call_without_checkpoint():
+    # a lazy layer draws its initial weights from the global RNG inside the
+    # forward; the recompute restored the RNG state from before that draw,
+    # so the dropout after it drew another mask: other gradients, silently.
+    # Before this, a ValueError from reading an uninitialized parameter
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Sequential(nn.LazyLinear(8), nn.Dropout(0.5), _Counted()),
+        nn.Linear(8, 1))
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, '0')
+    x = _inputs(6, 4)
+    for model in (plain, ckpt):
+        torch.manual_seed(7)
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+    _assert_same(plain, ckpt)
+    # the first call made the weights unchecked, the second was checkpointed
+    assert plain[0][2].calls == 2 and ckpt[0][2].calls == 3
+
+
+class _RebindsItsInputs(nn.Module):
+    """An FPN-style neck that rebinds the entries of the list it is given
+    (``feats[i] = lateral(feats[i])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lateral = nn.ModuleList(nn.Conv2d(4, 4, 1) for _ in range(2))
+
+    def forward(self, feats):
+        for i, lateral in enumerate(self.lateral):
+            feats[i] = lateral(feats[i]).relu()
+        return tuple(feats)
+
+
+def test_neck_rebinding_the_entries_of_its_input_list_is_exact():
+    # the recompute ran on the rebound list: every gradient differed
+    torch.manual_seed(0)
+    plain = nn.ModuleDict(
+        dict(backbone=nn.Conv2d(3, 4, 1), neck=_RebindsItsInputs()))
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, 'neck')
+    x = _inputs(2, 3, 8, 8)
+    lists = []
+    for model in (plain, ckpt):
+        f = model['backbone'](x)
+        feats = [f, f[:, :, ::2, ::2]]
+        outs = model['neck'](feats)
+        lists.append(feats)
+        sum(o.pow(2).sum() for o in outs).backward()
+    _assert_same(plain, ckpt)
+    # the caller's list is rebound as in the plain model
+    assert all(torch.equal(a, b) for a, b in zip(*lists))
+    assert lists[1][0].grad_fn is not None and lists[1][0] is not f
