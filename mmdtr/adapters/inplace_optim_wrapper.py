@@ -175,8 +175,9 @@ class InplaceOptimWrapper(OptimWrapper):
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Back-propagate ``loss`` (scaled under AMP).
 
-        With ``step_in_backward`` every parameter steps during this call, so
-        a :meth:`step` must follow each backward.
+        With ``step_in_backward`` every parameter steps during this call
+        (one another tensor views, at its end), so a :meth:`step` must
+        follow each backward.
 
         Args:
             loss (torch.Tensor): The loss of the iteration.
@@ -200,10 +201,12 @@ class InplaceOptimWrapper(OptimWrapper):
                     hint='for gradient accumulation use '
                     'step_in_backward=False.')
             self.stepper.begin(**self._step_kwargs)
+            completed = False
             try:
                 loss.backward(**kwargs)
+                completed = True
             finally:
-                self.stepper.end()
+                self.stepper.end(completed)
             self._stepped_since_backward = False
         self._inner_count += 1
 

@@ -24,11 +24,12 @@ loop over all parameters, and ``optimizer.state_dict()`` is unchanged.
 """
 import contextlib
 import threading
-from typing import Callable, Dict, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 from torch.optim import Optimizer
 
+from mmdtr.core.torch_compat import STORAGE_OBJECT_USES
 from mmdtr.errors import MmdtrError
 
 #: Optimizers whose update is not per-parameter (they need a closure or a
@@ -165,6 +166,15 @@ class PerParameterStepper:
     its gradient to None. Parameters that get no gradient are not stepped,
     as in ``optimizer.step()``.
 
+    A parameter whose storage another tensor still views when its hook
+    fires steps at :meth:`end` instead: autograd runs the hook after the
+    nodes that give the parameter a gradient, not after those that read it
+    without one (``weight.detach()`` or ``weight.data`` in the forward, a
+    stop-gradient use), so one of those could still read it. Unsure means
+    later: such a view is usually a saved tensor of a node yet to run (or
+    an engine's recipe), and the step after the backward is what
+    ``optimizer.step()`` would do.
+
     Every parameter may step once per :meth:`begin`: a second hook call in
     the same backward means the gradient arrived in pieces (e.g. reentrant
     activation checkpointing of a shared parameter, or ``backward`` of
@@ -199,6 +209,7 @@ class PerParameterStepper:
         self._handles: list = []
         self._group_of: Dict[int, dict] = {}
         self._stepped: Set[int] = set()
+        self._deferred: List[torch.Tensor] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -226,12 +237,24 @@ class PerParameterStepper:
         self.refresh()
         self.step_kwargs = step_kwargs
         self._stepped.clear()
+        self._deferred = []
         self.steps_taken = 0
         self.active = True
 
-    def end(self) -> None:
-        """Stop stepping from hooks; gradients accumulate as usual."""
+    def end(self, completed: bool = True) -> None:
+        """Stop stepping from hooks; gradients accumulate as usual.
+
+        Args:
+            completed (bool): The backward returned: the parameters whose
+                step was put off step now. False after a backward that
+                raised: they keep their gradients, unstepped, as those not
+                reached. Defaults to True.
+        """
         self.active = False
+        deferred, self._deferred = self._deferred, []
+        for param in deferred if completed else ():
+            if param.grad is not None:
+                self._step_now(param)
 
     def remove(self) -> None:
         """Remove every hook."""
@@ -277,8 +300,21 @@ class PerParameterStepper:
                 hint='use non-reentrant checkpointing (use_reentrant=False) '
                 'or step_in_backward=False.')
         self._stepped.add(id(param))
+        if _viewed_elsewhere(param):
+            self._deferred.append(param)  # stepped at end() (found by a
+            return  # review: a stop-gradient read ran on the new values)
+        self._step_now(param)
+
+    def _step_now(self, param: torch.Tensor) -> None:
         if self.clip_value is not None:
             param.grad.clamp_(-self.clip_value, self.clip_value)
         self.step_param(param)
         param.grad = None
         self.steps_taken += 1
+
+
+def _viewed_elsewhere(param: torch.Tensor) -> bool:
+    """Whether a tensor other than ``param`` views its storage (its use
+    count beyond ``param`` and its unreferenced Python object)."""
+    cdata = param.untyped_storage()._cdata  # the object is let go here
+    return torch._C._storage_Use_Count(cdata) > 1 + STORAGE_OBJECT_USES

@@ -305,3 +305,69 @@ def test_a_backward_that_raises_leaves_the_optimizer_as_it_was():
     model.zero_grad()
     model(torch.ones(5, 3)).sum().backward()  # not stepped: accumulates
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _StopGradientRead(nn.Module):
+    """Reads the head's weight a second time without gradient (an auxiliary
+    loss with a frozen copy of the head), before its own use."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        weight = self.head.weight
+        frozen = weight.detach() if self.read == 'detach' else weight.data
+        aux = nn.functional.linear(h, frozen).square().mean()
+        return self.head(h.relu()).square().mean() + aux
+
+
+@pytest.mark.parametrize('read', ['detach', 'data'])
+def test_parameter_read_without_gradient_steps_after_the_backward(read):
+    # autograd orders a parameter's hook after the nodes that give it a
+    # gradient only: the stop-gradient read ran after the step, on the new
+    # weight (.detach(): autograd's in-place error; .data: other gradients,
+    # silently; found by a review). Such a parameter steps at the end
+    results = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = _StopGradientRead(read)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        stepper = PerParameterStepper(optimizer) if in_backward else None
+        for i in range(3):
+            loss = model(
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+            if stepper is None:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                stepper.begin()
+                loss.backward()
+                stepper.end()
+                assert stepper.steps_taken == 4
+                assert all(p.grad is None for p in model.parameters())
+        results.append(model)
+    for (name, p), q in zip(results[0].named_parameters(),
+                            results[1].parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_deferred_parameters_do_not_step_after_a_failed_backward():
+    model = _StopGradientRead('detach')
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    stepper = PerParameterStepper(optimizer)
+    before = model.head.weight.detach().clone()
+
+    def fail(grad):
+        raise RuntimeError('a hook failed')
+
+    loss = model(torch.ones(2, 4))
+    model.body.weight.register_hook(fail)
+    stepper.begin()
+    with pytest.raises(RuntimeError, match='a hook failed'):
+        loss.backward()
+    stepper.end(completed=False)
+    assert torch.equal(model.head.weight, before)
