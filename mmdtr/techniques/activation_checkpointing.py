@@ -52,7 +52,7 @@ from .recompute_guards import (RecomputeContext, RunningStatsGuard,
                                state_record, tracking_norms, watch_versions,
                                written_since)
 from .recompute_put_back import GeneratorStates, TrainingModes
-from .selective_policy import (normalize_policy, save_policy,
+from .selective_policy import (KeptOutputs, normalize_policy, save_policy,
                                written_kept_output)
 
 _ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
@@ -73,10 +73,13 @@ def _kept_output_written(owner: str, op: str, where: str) -> MmdtrError:
     return MmdtrError(
         f'activation_checkpointing: the output of {op} in a checkpointed '
         f'{owner}, which the selective policy keeps, is written in place '
-        f'{where} (e.g. by ReLU(inplace=True)); PyTorch refuses a kept '
-        'tensor that was written.',
-        hint='make that write out of place (inplace=False), or use '
-        'policy=None (recompute every op).')
+        f'{where} (e.g. by ReLU(inplace=True), or attention scores scaled '
+        'in place); the recomputation would read the written value '
+        '(PyTorch refuses it, but not through an alias such as a batched '
+        "matmul's _unsafe_view).",
+        hint='make that write out of place (inplace=False), keep other ops '
+        '(a policy without this one), or use policy=None (recompute every '
+        'op).')
 
 
 class _CheckedRecompute:
@@ -84,16 +87,17 @@ class _CheckedRecompute:
     forward was written since (by an op after the checkpointed module
     returned: the forward's own check saw the module's ops)."""
 
-    def __init__(self, forward_context, recompute_context, owner: str):
-        self.forward_context = forward_context
+    def __init__(self, kept: KeptOutputs, recompute_context, owner: str):
+        self.kept = kept
         self.recompute_context = recompute_context
         self.owner = owner
 
     def __enter__(self):
-        op = written_kept_output([self.forward_context])
+        op = self.kept.written()
         if op is not None:
             raise _kept_output_written(self.owner, op,
                                        'after the module returned')
+        self.kept.release_outputs()
         return self.recompute_context.__enter__()
 
     def __exit__(self, exc_type, exc, tb):
@@ -128,10 +132,12 @@ def _context_fn(norms: list, generators: GeneratorStates, modes: TrainingModes,
                 owner: str, inputs: list, params,
                 generation: list) -> Tuple[object, object]:
     if policy:
-        fwd, recompute = create_selective_checkpoint_contexts(
+        sac_forward, recompute = create_selective_checkpoint_contexts(
             save_policy(policy))
-        forward_contexts.append(fwd)
-        recompute = _CheckedRecompute(fwd, recompute, owner)
+        kept = KeptOutputs(sac_forward)
+        forward_contexts.append(kept)
+        recompute = _CheckedRecompute(kept, recompute, owner)
+        fwd = kept.forward()
     else:
         fwd, recompute = nullcontext(), nullcontext()
     decisions = DecisionLog()
@@ -265,6 +271,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     kept = written_kept_output(forward_contexts)
     if kept is not None:
         raise _kept_output_written(owner, kept, 'later in its forward')
+    for kept_outputs in forward_contexts:
+        kept_outputs.watch_outputs(out)
     # parameters as the forward left them (Embedding(max_norm=...) writes
     # its weight in the forward, and again, to the same values, in the
     # recompute); a write after this is refused at the recompute
