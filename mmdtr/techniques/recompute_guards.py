@@ -57,26 +57,34 @@ class RunningStatsGuard:
     updates its running buffers in place. The recompute must produce the
     same output and save the same number of tensors for backward, but must
     not update the buffers a second time; so each buffer is swapped for a
-    clone while the recompute runs and restored afterwards. Re-entrant, so
-    a ``retain_graph=True`` double backward works too.
+    copy while the recompute runs and restored afterwards. The copies are
+    of the buffers as the forward found them (taken when the guard is made,
+    at the forward's start): a module reading them (a BatchRenorm-style
+    layer, ``bn(x) * bn.running_var``) then reads in the recompute what it
+    read in the forward; copies of the updated buffers gave other
+    gradients, silently (found by a review). Re-entrant, so a
+    ``retain_graph=True`` double backward works too.
 
     Args:
         norms (list[_NormBase]): The norm layers that track running stats
-            and were in training mode during the forward.
+            and are in training mode for the forward.
     """
 
     def __init__(self, norms: List[_NormBase]):
         self.norms = norms
+        # a few numbers per channel, kept until the graph goes
+        self._before = [
+            (norm, name, buffer.clone()) for norm in norms
+            for name in NORM_BUFFERS
+            if isinstance(buffer := getattr(norm, name, None), torch.Tensor)
+        ]
         self._stack: List[list] = []
 
     def __enter__(self) -> 'RunningStatsGuard':
         saved = []
-        for norm in self.norms:
-            for name in NORM_BUFFERS:
-                buffer = getattr(norm, name, None)
-                if isinstance(buffer, torch.Tensor):
-                    saved.append((norm, name, buffer))
-                    setattr(norm, name, buffer.clone())
+        for norm, name, before in self._before:
+            saved.append((norm, name, getattr(norm, name)))
+            setattr(norm, name, before.clone())
         self._stack.append(saved)
         return self
 
