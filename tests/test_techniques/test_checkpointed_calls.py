@@ -230,6 +230,7 @@ def test_kept_output_written_through_an_unsafe_alias_is_refused(
         model(_inputs(2, 4, 8))
 
 
+@pytest.mark.needs_selective_checkpointing
 def test_unsafe_alias_of_an_output_not_kept_is_exact():
     # a 3-D matmul whose output is recomputed (save_convolutions keeps no
     # matmul): written in place through its alias, as in the plain model
