@@ -7,9 +7,11 @@ The hooks that select modules by name (``activation_checkpointing``,
 ``tools/demo.py`` run the same checks here first, on a model built for it.
 """
 import copy
+import logging
 import types
 
 from mmengine.registry import MODELS, DefaultScope
+from mmengine.runner.priority import get_priority
 from torch import nn
 
 from mmdtr.adapters.config_translation import MEMORY_KEY_HOOKS, hook_name
@@ -17,6 +19,10 @@ from mmdtr.registry import HOOKS
 
 #: the memory keys whose hooks select modules by name
 SELECTING_KEYS = ('activation_checkpointing', 'efficient_conv_bn_eval')
+
+_SILENT = logging.getLogger('mmdtr.module_names')  # the runner logs it all
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
 
 
 def check_module_names(cfg) -> None:
@@ -32,9 +38,14 @@ def check_module_names(cfg) -> None:
         cfg (Config): A config translated by
             :func:`~mmdtr.adapters.config_translation.translate_memory_keys`.
 
+    When both keys are set, the two hooks are also applied to that model,
+    as the runner applies them, so that a module checkpointed inside one
+    ``efficient_conv_bn_eval`` replaces by a torch.fx trace is refused here.
+
     Raises:
         MmdtrError: If a selecting hook names no module of the model
-            (``activation_checkpointing=backbone.layr2``).
+            (``activation_checkpointing=backbone.layr2``), or the two
+            cannot apply together.
     """
     names = [MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
     selecting = [
@@ -57,6 +68,15 @@ def check_module_names(cfg) -> None:
                 model = MODELS.build(model)
             except Exception:  # noqa: B902 - the runner will say why
                 return
+    built = model is not cfg.get('model')  # a model of its own: changed
+    runner = types.SimpleNamespace(
+        model=model, cfg=cfg, hooks=selecting, logger=_SILENT)
     for hook in selecting:
-        hook.before_run(
-            types.SimpleNamespace(model=model, cfg=cfg, hooks=selecting))
+        hook.before_run(runner)
+    if built and len(selecting) > 1:
+        # applied together, as the runner will (by priority): a module
+        # checkpointed inside one efficient_conv_bn_eval replaced by a
+        # trace is refused only when applied, in before_train, once the
+        # work dir was made and the model changed (found by a review)
+        for hook in sorted(selecting, key=lambda h: get_priority(h.priority)):
+            hook.before_train(runner)

@@ -213,13 +213,12 @@ class _ScaledScores(nn.Module):
 @pytest.mark.parametrize('make, policy', [
     (_ScaledScores, 'save_matmuls'),
     (lambda: nn.Sequential(
-        nn.Linear(8, 16, bias=False), nn.SiLU(inplace=True), nn.Linear(
-            16, 8)), 'save_compute_heavy'),
+        nn.Linear(8, 16, bias=False), nn.SiLU(inplace=True), nn.Linear(16, 8)),
+     'save_compute_heavy'),
     (lambda: nn.GRU(8, 8, batch_first=True), ['addmm']),
 ])
 @pytest.mark.needs_selective_checkpointing
-def test_kept_output_written_through_an_unsafe_alias_is_refused(
-        make, policy):
+def test_kept_output_written_through_an_unsafe_alias_is_refused(make, policy):
     # the write went through an alias whose version counter is its own, so
     # the kept output's did not move: the recompute read the written value
     # and wrote it again (other gradients, silently; found by a review)
