@@ -5,7 +5,9 @@ MMEngine ignores a top-level key it does not know, and so would mmdtr:
 a misspelt memory key (``DTR``, ``dtr_cfg``, ``activation_checkpoint``), a
 name users try first (``use_dtr``), or a setting written at the top level
 while nothing reads it there (``eviction_threshold='3GB'`` without a ``dtr``
-key). Each trained silently without the feature. A setting given at the
+key). Each trained silently without the feature; a variable named after
+a key whose feature is on otherwise (a hook in ``custom_hooks``) is left
+alone. A setting given at the
 top level through ``--cfg-options`` is refused by
 :func:`refuse_top_level_settings`.
 """
@@ -39,12 +41,37 @@ def _imported(value) -> bool:
         or type(value).__name__.startswith('Lazy')
 
 
+#: A memory key -> the hook that enables its feature without it.
+FEATURE_HOOKS = {
+    'dtr': 'DTRHook',
+    'activation_checkpointing': 'ActivationCheckpointingHook',
+    'efficient_conv_bn_eval': 'EfficientConvBnEvalHook',
+}
+
+
+def _enabled_otherwise(cfg, name: str) -> bool:
+    """Whether the feature of memory key ``name`` is on without the key: its
+    hook in ``custom_hooks``, or, for DTR, ``model_wrapper_cfg.dtr``. A
+    top-level variable (``dtr_cfg = dict(...)``) may then feed it, and
+    nothing trains without the feature (found by a review)."""
+    hooks = cfg.get('custom_hooks') or ()
+    hook = FEATURE_HOOKS.get(name)
+    if hook and isinstance(hooks, (list, tuple)) and any(
+            isinstance(h, Mapping)
+            and str(h.get('type', '')).split('.')[-1] == hook for h in hooks):
+        return True
+    wrapper = cfg.get('model_wrapper_cfg')
+    return name == 'dtr' and isinstance(
+        wrapper, Mapping) and wrapper.get('dtr') is not None
+
+
 def _meant_key(key: str, names: Iterable[str], cfg) -> str:
     """The memory key ``key`` looks meant for, or ``''``."""
     lowered = key.lower()
     for name in names:
-        if name in cfg:
-            continue  # the key itself is there: a variable named after it
+        if name in cfg or _enabled_otherwise(cfg, name):
+            continue  # the key itself is there, or its feature is on: a
+            # variable named after it
         close = len(name) > 4 and difflib.SequenceMatcher(None, lowered,
                                                           name).ratio() >= 0.8
         if lowered == name or lowered.startswith(name + '_') or close \

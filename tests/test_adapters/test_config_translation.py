@@ -280,6 +280,29 @@ def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):
     assert translate_memory_keys(cfg).custom_hooks[-1].type == 'mmdtr.DTRHook'
 
 
+@pytest.mark.parametrize('key, feature', [
+    ('dtr_cfg', dict(custom_hooks=[dict(type='mmdtr.DTRHook')])),
+    ('dtr_cfg', dict(model_wrapper_cfg=dict(dtr=dict(eviction_threshold=1)))),
+    ('activation_checkpointing_modules',
+     dict(custom_hooks=[dict(type='ActivationCheckpointingHook')])),
+])
+def test_near_miss_check_leaves_variables_of_an_enabled_feature_alone(
+        make_cfg, tmp_path, key, feature):
+    # dtr_cfg = dict(...) feeding a DTRHook (or the wrapper's dtr, or a
+    # hook's modules) was refused as a misspelt 'dtr' key, while a setting
+    # at the top level feeding a hook was not (found by a review): with the
+    # feature enabled otherwise, nothing trains without it
+    from mmdtr.adapters.near_miss_keys import refuse_near_misses
+    cfg = make_cfg(tmp_path, **{key: dict(eviction_threshold='1GB')},
+                   **feature)
+    refuse_near_misses(
+        cfg, ['dtr', 'activation_checkpointing', 'efficient_conv_bn_eval'])
+    with pytest.raises(MmdtrError, match='is it the'):  # not otherwise on
+        refuse_near_misses(
+            make_cfg(tmp_path, **{key: dict(eviction_threshold='1GB')}),
+            ['dtr', 'activation_checkpointing', 'efficient_conv_bn_eval'])
+
+
 def test_bad_value_fails_before_training(train_tool, tmp_path, capsys,
                                          make_cfg):
     config = osp.join(REPO, 'configs', 'gpt_synthetic.py')
