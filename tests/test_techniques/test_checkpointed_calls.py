@@ -33,6 +33,13 @@ def _inputs(*shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
 
 
+def _plain_and_checkpointed(plain: nn.Module, modules, policy=None):
+    """``plain`` and a copy of it with ``modules`` checkpointed."""
+    ckpt = copy.deepcopy(plain)
+    apply_activation_checkpointing(ckpt, modules, policy)
+    return plain, ckpt
+
+
 def test_eval_call_then_training_call_is_refused():
     # the eval call's recompute read the running statistics the training
     # call updated since: every gradient differed, silently
@@ -52,9 +59,7 @@ def test_training_call_then_eval_call_is_exact():
     # the other order is exact: the training call's recompute reads batch
     # statistics, the eval call's the statistics it read
     torch.manual_seed(0)
-    plain = _block()
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, '0')
+    plain, ckpt = _plain_and_checkpointed(_block(), '0')
     x = _inputs(8, 4)
     for model in (plain, ckpt):
         model.train()
@@ -68,9 +73,7 @@ def test_training_call_then_eval_call_is_exact():
 def test_modes_switched_between_steps_are_exact():
     # a mode switched after the backward of the last call refuses nothing
     torch.manual_seed(0)
-    plain = _block()
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, '0')
+    plain, ckpt = _plain_and_checkpointed(_block(), '0')
     x = _inputs(8, 4)
     for model in (plain, ckpt):
         for training in (False, True, False):
@@ -102,9 +105,8 @@ def test_module_returning_a_dataclass_trains_exactly():
     # module's: its record was not brought up to date and the second step
     # was refused, though nothing was written
     torch.manual_seed(0)
-    plain = nn.ModuleDict(dict(block=_ReturnsADataclass()))
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, 'block')
+    plain, ckpt = _plain_and_checkpointed(
+        nn.ModuleDict(dict(block=_ReturnsADataclass())), 'block')
     x = _inputs(3, 4)
     for model in (plain, ckpt):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -143,11 +145,10 @@ def test_lazy_parameters_are_made_by_a_call_without_checkpoint():
     # so the dropout after it drew another mask: other gradients, silently.
     # Before this, a ValueError from reading an uninitialized parameter
     torch.manual_seed(0)
-    plain = nn.Sequential(
-        nn.Sequential(nn.LazyLinear(8), nn.Dropout(0.5), _Counted()),
-        nn.Linear(8, 1))
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, '0')
+    plain, ckpt = _plain_and_checkpointed(
+        nn.Sequential(
+            nn.Sequential(nn.LazyLinear(8), nn.Dropout(0.5), _Counted()),
+            nn.Linear(8, 1)), '0')
     x = _inputs(6, 4)
     for model in (plain, ckpt):
         torch.manual_seed(7)
@@ -175,10 +176,10 @@ class _RebindsItsInputs(nn.Module):
 def test_neck_rebinding_the_entries_of_its_input_list_is_exact():
     # the recompute ran on the rebound list: every gradient differed
     torch.manual_seed(0)
-    plain = nn.ModuleDict(
-        dict(backbone=nn.Conv2d(3, 4, 1), neck=_RebindsItsInputs()))
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, 'neck')
+    plain, ckpt = _plain_and_checkpointed(
+        nn.ModuleDict(
+            dict(backbone=nn.Conv2d(3, 4, 1), neck=_RebindsItsInputs())),
+        'neck')
     x = _inputs(2, 3, 8, 8)
     lists = []
     for model in (plain, ckpt):
@@ -234,9 +235,8 @@ def test_unsafe_alias_of_an_output_not_kept_is_exact():
     # a 3-D matmul whose output is recomputed (save_convolutions keeps no
     # matmul): written in place through its alias, as in the plain model
     torch.manual_seed(0)
-    plain = nn.Sequential(_ScaledScores())
-    ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, '0', 'save_convolutions')
+    plain, ckpt = _plain_and_checkpointed(
+        nn.Sequential(_ScaledScores()), '0', 'save_convolutions')
     for model in (plain, ckpt):
         model(_inputs(2, 4, 8)).square().sum().backward()
     _assert_same(plain, ckpt)
