@@ -44,8 +44,11 @@ class InplaceOptimWrapper(OptimWrapper):
     - ``step_in_backward=True`` updates each parameter from its
       post-accumulate-grad hook as soon as its gradient is complete and
       frees that gradient, so the gradients of all parameters are never
-      alive at once. The step and lr-scheduler semantics are unchanged: each
-      per-parameter step reads its group's current hyper-parameters; a tied
+      alive at once (one whose storage another tensor still views, such
+      as a ``weight.detach()`` a later backward node reads, steps at the
+      end of the backward). The step and lr-scheduler semantics are
+      unchanged: each per-parameter step reads its group's current
+      hyper-parameters; a tied
       parameter steps once, after its last gradient contribution; a
       parameter with no gradient does not step. ``optimizer.step()`` still
       runs once per iteration (for its hooks and parameters left with a
