@@ -234,12 +234,14 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     leaves, spec = tree_flatten((args, kwargs))
     inputs = watch_versions(leaves)
     # what the recompute reads, as the forward leaves it (filled after it)
-    watched_inputs, params, generation = [], state_record(self), [0]
+    watched_inputs, params, generation = [], state_record(self), [0, None]
     if not params.note_forward(self, norms):
         # a lazy module's parameters are made (from the global RNG) by its
         # first call: run as it is, or the recompute's RNG would be put
         # back to before that draw (found by a review)
         return inner(*args, **kwargs)
+    if params.reads_statistics:  # an eval-mode norm's: see RecomputeContext
+        generation[1] = params.switches
     context_fn = functools.partial(_context_fn, norms,
                                    GeneratorStates(self, leaves),
                                    TrainingModes(self), policy,

@@ -145,8 +145,9 @@ class RecomputeContext:
             as its forward left them (:func:`watch_versions`).
         params (StateRecord): The versions of the module's parameters and
             buffers, shared by its calls (:func:`state_record`).
-        generation (list): One element, the record's generation when this
-            call's forward ended (set then).
+        generation (list): The record's generation when this call's
+            forward ended (set then), and its ``switches`` when the forward
+            started if that forward reads running statistics, else None.
         owner (str): The module's class and name, for the message.
     """
 
@@ -161,7 +162,7 @@ class RecomputeContext:
         self._stacks: List[ExitStack] = []
 
     def __enter__(self) -> None:
-        statistics = self.params.statistics_updated_since(self.generation[0])
+        statistics = self.params.statistics_updated_since(self.generation[1])
         if statistics is not None:
             raise MmdtrError(
                 f'activation_checkpointing: a checkpointed {self.owner} was '
@@ -233,9 +234,11 @@ class StateRecord:
         # (weak tensor, version, weak owner, '_parameters' or '_buffers',
         # name, qualified name) per watched tensor
         self.watched, self.generation = [], 0
-        # (generation, name): the latest call that updated running
-        # statistics earlier calls had read
-        self.statistics_switch = (-1, None)
+        # calls that updated running statistics an earlier call had read
+        # (in eval mode), and the latest such statistic's name
+        self.switches, self.switched = 0, None
+        # whether the latest call's forward reads running statistics
+        self.reads_statistics = False
 
     def update(
         self,
@@ -320,12 +323,14 @@ class StateRecord:
             self.generation += 1
         read = self._statistics_read_before(norms)
         if read is not None:
-            # the calls before read them (in eval mode); this one updates
-            # them (in training mode): their recompute may not run (found by
-            # a review)
-            self.generation += 1
-            self.statistics_switch = (self.generation, read)
+            # a call before read them (in eval mode); this one updates them
+            # (in training mode): the recompute of those that read them may
+            # not run, that of the others may (found by reviews)
+            self.switches, self.switched = self.switches + 1, read
         self.watched = watched
+        self.reads_statistics = any(
+            table == '_buffers' and name in NORM_BUFFERS
+            for _, _, _, table, name, _ in watched)
         return True
 
     def _statistics_read_before(self, norms: Sequence[_NormBase]):
@@ -359,12 +364,15 @@ class StateRecord:
             return 'a parameter or buffer, between two of its calls,'
         return None
 
-    def statistics_updated_since(self, generation: int) -> Optional[str]:
+    def statistics_updated_since(self,
+                                 switches: Optional[int]) -> Optional[str]:
         """The qualified name of a running statistic a later call updated
-        in training mode after the call of ``generation`` read it in eval
-        mode, or None."""
-        switched_at, name = self.statistics_switch
-        return name if switched_at > generation else None
+        in training mode since a call read statistics (in eval mode) when
+        :attr:`switches` was ``switches``, or None (also for a call that
+        read none: ``switches`` None)."""
+        if switches is None or self.switches == switches:
+            return None
+        return self.switched
 
 
 def _watch(module: nn.Module, norms: Sequence[_NormBase]) -> Optional[list]:

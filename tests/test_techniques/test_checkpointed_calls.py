@@ -70,6 +70,24 @@ def test_training_call_then_eval_call_is_exact():
     _assert_same(plain, ckpt)
 
 
+def test_training_calls_around_an_eval_call_are_exact():
+    # pseudo-labels from an eval-mode call with grad on, between two
+    # training calls: refused at first, though only the eval call reads the
+    # statistics and its graph is not backpropagated (found by a review)
+    torch.manual_seed(0)
+    plain, ckpt = _plain_and_checkpointed(_block(), '0')
+    x = _inputs(8, 4)
+    for model in (plain, ckpt):
+        model.train()
+        a = model(x)
+        model.eval()
+        pseudo = model(x * 3).detach().argmax(1)
+        model.train()
+        c = model(x * 2)
+        (a.sum() + nn.functional.cross_entropy(c, pseudo)).backward()
+    _assert_same(plain, ckpt)
+
+
 def test_modes_switched_between_steps_are_exact():
     # a mode switched after the backward of the last call refuses nothing
     torch.manual_seed(0)
