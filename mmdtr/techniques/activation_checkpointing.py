@@ -239,7 +239,9 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
         # a lazy module's parameters are made (from the global RNG) by its
         # first call: run as it is, or the recompute's RNG would be put
         # back to before that draw (found by a review)
-        return inner(*args, **kwargs)
+        out = inner(*args, **kwargs)
+        params.lazy_left = params.update(self, norms)
+        return out
     if params.reads_statistics:  # an eval-mode norm's: see RecomputeContext
         generation[1] = params.switches
     context_fn = functools.partial(_context_fn, norms,
@@ -280,7 +282,13 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     # recompute); a write after this is refused at the recompute
     watched_inputs += inputs
     written = params.written_buffer()  # by the forward itself
-    params.update(self, norms)
+    if params.update(self, norms) < params.lazy_at_forward:
+        raise MmdtrError(
+            f'activation_checkpointing: a checkpointed {owner} made a lazy '
+            'parameter in this call (its first call left it unmade); its '
+            'recomputation would draw other random numbers.',
+            hint='run one forward before applying activation checkpointing, '
+            'or leave that module unchecked.')
     generation[0] = params.generation
     if written is not None:
         raise MmdtrError(

@@ -19,7 +19,7 @@ as its forward had it (generators, train/eval modes) is in
 """
 import weakref
 from contextlib import ExitStack
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -239,12 +239,15 @@ class StateRecord:
         self.switches, self.switched = 0, None
         # whether the latest call's forward reads running statistics
         self.reads_statistics = False
+        # parameters and buffers not made yet (lazy modules'): left by the
+        # latest call run without checkpoint, and at the latest forward
+        self.lazy_left, self.lazy_at_forward = None, 0
 
     def update(
         self,
         module: Optional[nn.Module] = None,
         norms: Sequence[_NormBase] = ()
-    ) -> None:
+    ) -> int:
         """Record the current versions.
 
         Args:
@@ -253,13 +256,18 @@ class StateRecord:
                 alive) are recorded again.
             norms (Sequence[_NormBase]): With ``module``: the norm layers
                 whose running statistics are not watched.
+
+        Returns:
+            int: With ``module``, how many of its parameters and buffers
+            are not made yet (lazy); else 0.
         """
         if module is None:
             self.watched = [(ref, ref()._version, *place)
                             for ref, _, *place in self.watched
                             if ref() is not None]
-            return
-        self.watched = _watch(module, norms)
+            return 0
+        self.watched, lazy = _watch(module, norms)
+        return lazy
 
     def _first_changed(self, tables=('_parameters', '_buffers')):
         """The entry of the first watched tensor of ``tables`` written in
@@ -314,11 +322,15 @@ class StateRecord:
         Returns:
             bool: False, with nothing recorded, if a parameter or buffer of
             ``module`` is not made yet (a lazy module's, before its first
-            call): that call is not to be checkpointed.
+            call) and the last call run without checkpoint did not leave it
+            so: this call is not to be checkpointed (set :attr:`lazy_left`
+            after it). A lazy sub-module the forward never calls stays
+            unmade, and later calls are checkpointed.
         """
-        watched = _watch(module, norms)
-        if watched is None:
+        watched, lazy = _watch(module, norms)
+        if lazy and lazy != self.lazy_left:
             return False
+        self.lazy_at_forward = lazy
         if self._changed() is not None:
             self.generation += 1
         read = self._statistics_read_before(norms)
@@ -375,18 +387,19 @@ class StateRecord:
         return self.switched
 
 
-def _watch(module: nn.Module, norms: Sequence[_NormBase]) -> Optional[list]:
+def _watch(module: nn.Module, norms: Sequence[_NormBase]) -> Tuple[list, int]:
     """The entries of :class:`StateRecord` for ``module``'s parameters and
-    buffers but the running statistics of ``norms``; None if one is not
-    made yet (``UninitializedParameter``: its shape and version are
-    unknown)."""
+    buffers but the running statistics of ``norms``, and how many are not
+    made yet (``UninitializedParameter``: no shape, no version; not
+    watched)."""
     guarded = {id(norm) for norm in norms}
-    watched = []
+    watched, lazy = [], 0
     for prefix, owner in module.named_modules():
         for table in ('_parameters', '_buffers'):
             for name, t in getattr(owner, table).items():
                 if isinstance(t, UninitializedTensorMixin):
-                    return None
+                    lazy += 1
+                    continue
                 if t is None or t.is_inference() or (table == '_buffers'
                                                      and id(owner) in guarded
                                                      and name in NORM_BUFFERS):
@@ -394,7 +407,7 @@ def _watch(module: nn.Module, norms: Sequence[_NormBase]) -> Optional[list]:
                 watched.append(
                     (weakref.ref(t), t._version, weakref.ref(owner), table,
                      name, f'{prefix}.{name}' if prefix else name))
-    return watched
+    return watched, lazy
 
 
 #: module -> its :class:`StateRecord`

@@ -271,3 +271,37 @@ def test_kept_output_returned_through_an_unsafe_alias_then_written():
     loss = model(_inputs(2, 4, 8)).square().sum()
     with pytest.raises(MmdtrError, match='after the module returned'):
         loss.backward()
+
+
+class _HoldsAnUnusedLazyLayer(nn.Module):
+
+    def __init__(self, use_lazy_at=None):
+        super().__init__()
+        self.fc, self.spare, self.act = nn.Linear(4, 4), nn.LazyLinear(4), \
+            _Counted()
+        self.calls, self.use_lazy_at = 0, use_lazy_at
+
+    def forward(self, x):
+        self.calls += 1
+        x = self.act(self.fc(x))
+        return self.spare(x) if self.calls == self.use_lazy_at else x
+
+
+def test_a_lazy_layer_never_called_does_not_stop_checkpointing():
+    # every call ran without checkpoint while it stayed unmade (found by a
+    # review): only the first does now
+    plain, ckpt = _plain_and_checkpointed(
+        nn.Sequential(_HoldsAnUnusedLazyLayer()), '0')
+    for model in (plain, ckpt):
+        for _ in range(3):
+            model(_inputs(2, 4)).square().sum().backward()
+    _assert_same(plain[0].fc, ckpt[0].fc)  # the spare one is never made
+    assert ckpt[0].act.calls == 3 + 2  # two calls recomputed
+
+
+def test_a_lazy_layer_made_in_a_checkpointed_call_is_refused():
+    model = nn.Sequential(_HoldsAnUnusedLazyLayer(use_lazy_at=2))
+    apply_activation_checkpointing(model, '0')
+    model(_inputs(2, 4)).square().sum().backward()
+    with pytest.raises(MmdtrError, match='made a lazy parameter'):
+        model(_inputs(2, 4))
