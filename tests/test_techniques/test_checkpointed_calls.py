@@ -55,29 +55,35 @@ def test_eval_call_then_training_call_is_refused():
         ((a - b)**2).sum().backward()
 
 
-def test_training_call_then_eval_call_is_exact():
-    # the other order is exact: the training call's recompute reads batch
-    # statistics, the eval call's the statistics it read
+def _block_exact_for(step):
+    """``step(model, x)`` on the plain block and on its checkpointed copy
+    gives the same gradients and buffers."""
     torch.manual_seed(0)
     plain, ckpt = _plain_and_checkpointed(_block(), '0')
     x = _inputs(8, 4)
     for model in (plain, ckpt):
+        step(model, x)
+    _assert_same(plain, ckpt)
+
+
+def test_training_call_then_eval_call_is_exact():
+    # the other order is exact: the training call's recompute reads batch
+    # statistics, the eval call's the statistics it read
+    def step(model, x):
         model.train()
         a = model(x)
         model.eval()
         b = model(x * 2)
         ((a - b)**2).sum().backward()
-    _assert_same(plain, ckpt)
+
+    _block_exact_for(step)
 
 
 def test_training_calls_around_an_eval_call_are_exact():
     # pseudo-labels from an eval-mode call with grad on, between two
     # training calls: refused at first, though only the eval call reads the
     # statistics and its graph is not backpropagated (found by a review)
-    torch.manual_seed(0)
-    plain, ckpt = _plain_and_checkpointed(_block(), '0')
-    x = _inputs(8, 4)
-    for model in (plain, ckpt):
+    def step(model, x):
         model.train()
         a = model(x)
         model.eval()
@@ -85,19 +91,18 @@ def test_training_calls_around_an_eval_call_are_exact():
         model.train()
         c = model(x * 2)
         (a.sum() + nn.functional.cross_entropy(c, pseudo)).backward()
-    _assert_same(plain, ckpt)
+
+    _block_exact_for(step)
 
 
 def test_modes_switched_between_steps_are_exact():
     # a mode switched after the backward of the last call refuses nothing
-    torch.manual_seed(0)
-    plain, ckpt = _plain_and_checkpointed(_block(), '0')
-    x = _inputs(8, 4)
-    for model in (plain, ckpt):
+    def step(model, x):
         for training in (False, True, False):
             model.train(training)
             model(x).pow(2).sum().backward()
-    _assert_same(plain, ckpt)
+
+    _block_exact_for(step)
 
 
 @dataclasses.dataclass
