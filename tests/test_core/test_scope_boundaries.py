@@ -153,6 +153,19 @@ def test_start_inside_saved_tensor_hooks_is_refused(outer):
     assert engine.stats.ops > 0
 
 
+def test_start_where_saved_tensor_hooks_are_disabled_is_refused():
+    # torch's own RuntimeError came out, carrying only the context's message
+    # (found by a review)
+    with torch.autograd.graph.disable_saved_tensors_hooks('no hooks here'):
+        with pytest.raises(MmdtrError, match='no hooks here'):
+            DTR(eviction_threshold='1GB').__enter__()
+        with pytest.raises(MmdtrError, match='disable_saved_tensors_hooks'):
+            dtr.enable()
+        assert not any('DTR' in type(mode).__name__
+                       for mode in _get_current_dispatch_mode_stack())
+    assert not dtr.is_enabled()
+
+
 def test_an_outer_mode_left_first_does_not_leave_dtr_stuck(
         modes_left_out_of_order):
     # torch pops the top mode: leaving FlopCounterMode (entered first)
