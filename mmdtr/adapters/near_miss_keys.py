@@ -57,8 +57,8 @@ def _enabled_otherwise(cfg, name: str) -> bool:
     hooks = cfg.get('custom_hooks') or ()
     hook = FEATURE_HOOKS.get(name)
     if hook and isinstance(hooks, (list, tuple)) and any(
-            isinstance(h, Mapping)
-            and str(h.get('type', '')).split('.')[-1] == hook for h in hooks):
+            isinstance(h, Mapping) and hook in str(h.get('type', ''))
+            for h in hooks):
         return True
     wrapper = cfg.get('model_wrapper_cfg')
     return name == 'dtr' and isinstance(
@@ -97,14 +97,7 @@ def _read(cfg, setting: str) -> bool:
     section = SETTING_SECTIONS[setting]
     if _holds(cfg.get(section), setting):
         return True
-    if section != 'dtr':
-        return False
-    hooks = cfg.get('custom_hooks') or ()
-    wrapper = cfg.get('model_wrapper_cfg')
-    return any(
-        isinstance(h, Mapping) and 'DTRHook' in str(h.get('type', ''))
-        for h in hooks if isinstance(hooks, (list, tuple))) or (isinstance(
-            wrapper, Mapping) and wrapper.get('dtr') is not None)
+    return section == 'dtr' and _enabled_otherwise(cfg, 'dtr')
 
 
 def refuse_near_misses(cfg, names: Iterable[str]) -> None:
