@@ -326,30 +326,20 @@ def _refuse_in_backward(what: str):
             '(`with DTR(...)`, or mmdtr.dtr.enable() and disable()).')
 
 
-_saved_tensors_hooks_enabled = getattr(torch._C._autograd,
-                                       '_saved_tensors_hooks_is_enabled',
-                                       lambda: True)
-
-
-def _saved_tensors_hooks_disabled_message() -> str:
-    """The message ``disable_saved_tensors_hooks`` was given."""
-    get = getattr(torch._C._autograd,
-                  '_saved_tensors_hooks_get_disabled_error_message', None)
-    return (get() or '') if get is not None else ''
-
-
 def _refuse_inside_saved_tensor_hooks():
     """Raise inside another ``saved_tensors_hooks`` context (R12): the
     innermost hooks take every tensor saved, so the engine's would shadow
     them (``save_on_cpu`` would offload nothing, a compression hook
     compress nothing, ``allow_mutation_on_saved_tensors`` allow nothing)."""
-    if not _saved_tensors_hooks_enabled():  # torch's error said only the
-        # context's message (found by a review)
+    autograd = torch._C._autograd  # both on 2.4.1 and 2.13 (checked)
+    if not autograd._saved_tensors_hooks_is_enabled():  # torch's error said
+        # only the context's message (found by a review)
+        message = autograd._saved_tensors_hooks_get_disabled_error_message()
         raise MmdtrError(
             'DTR was started inside torch.autograd.graph.'
-            'disable_saved_tensors_hooks (its message: '
-            f'{_saved_tensors_hooks_disabled_message()!r}); DTR works '
-            'through saved-tensor hooks.', 'start DTR outside that context.')
+            f'disable_saved_tensors_hooks (its message: {message or ""!r}); '
+            'DTR works through saved-tensor hooks.',
+            'start DTR outside that context.')
     owner = outer_saved_tensor_hooks()
     if owner is None:
         return

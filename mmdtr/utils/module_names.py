@@ -11,7 +11,7 @@ import logging
 import types
 
 from mmengine.registry import MODELS, DefaultScope
-from mmengine.runner.priority import get_priority
+from mmengine.runner import get_priority
 from torch import nn
 
 from mmdtr.adapters.config_translation import MEMORY_KEY_HOOKS, hook_name
