@@ -129,6 +129,17 @@ def test_closing_under_a_mode_entered_after_it_is_refused():
     assert not engine.active
 
 
+def _assert_start_refused(match_scoped: str, match_enabled: str):
+    """``with DTR()`` and ``dtr.enable()`` are refused here, each with an
+    MmdtrError matching its pattern, and leave no mode behind."""
+    with pytest.raises(MmdtrError, match=match_scoped):
+        DTR(eviction_threshold='1GB').__enter__()
+    with pytest.raises(MmdtrError, match=match_enabled):
+        dtr.enable()
+    assert not any('DTR' in type(mode).__name__
+                   for mode in _get_current_dispatch_mode_stack())
+
+
 @pytest.mark.parametrize(
     'outer', [
         torch.autograd.graph.save_on_cpu,
@@ -141,12 +152,8 @@ def test_start_inside_saved_tensor_hooks_is_refused(outer):
     # silently shadowed (no offloading; allow_mutation's writes refused in
     # backward) (found by an adversarial search)
     with outer():
-        with pytest.raises(MmdtrError, match='inside another saved-tensor'):
-            DTR(eviction_threshold='1GB').__enter__()
-        with pytest.raises(MmdtrError, match='inside another saved-tensor'):
-            dtr.enable()
-        assert not any('DTR' in type(mode).__name__
-                       for mode in _get_current_dispatch_mode_stack())
+        _assert_start_refused('inside another saved-tensor',
+                              'inside another saved-tensor')
     with DTR(eviction_threshold=1, evictee_minimum_size=0) as engine:
         with outer():  # inside: it takes its block's tensors, DTR the rest
             _step()
@@ -157,12 +164,7 @@ def test_start_where_saved_tensor_hooks_are_disabled_is_refused():
     # torch's own RuntimeError came out, carrying only the context's message
     # (found by a review)
     with torch.autograd.graph.disable_saved_tensors_hooks('no hooks here'):
-        with pytest.raises(MmdtrError, match='no hooks here'):
-            DTR(eviction_threshold='1GB').__enter__()
-        with pytest.raises(MmdtrError, match='disable_saved_tensors_hooks'):
-            dtr.enable()
-        assert not any('DTR' in type(mode).__name__
-                       for mode in _get_current_dispatch_mode_stack())
+        _assert_start_refused('no hooks here', 'disable_saved_tensors_hooks')
     assert not dtr.is_enabled()
 
 
