@@ -46,14 +46,14 @@ from mmdtr.core.torch_compat import create_selective_checkpoint_contexts
 from mmdtr.errors import MmdtrError
 from .checkpoint_calls import (CallerContainersFirst, call_with_kwargs,
                                frozen_output)
+from .kept_outputs import KeptOutputs, written_kept_output
 from .module_selection import outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
                                state_record, tracking_norms, watch_versions,
                                written_since)
 from .recompute_put_back import GeneratorStates, TrainingModes
-from .selective_policy import (KeptOutputs, normalize_policy, save_policy,
-                               written_kept_output)
+from .selective_policy import normalize_policy, save_policy
 
 _ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
 _POLICY_ATTR = '_mmdtr_ckpt_policy'

@@ -278,6 +278,46 @@ def test_kept_output_returned_through_an_unsafe_alias_then_written():
         loss.backward()
 
 
+class _KeepsItsScores(nn.Module):
+    """Keeps its attention scores for the caller (``self.scores``): an
+    ``_unsafe_view`` alias of the kept bmm output, never returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        self.scores = q @ k.transpose(-2, -1)
+        return (self.scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c)
+
+
+@pytest.mark.needs_selective_checkpointing
+def test_kept_output_written_through_an_alias_the_module_keeps():
+    # the caller scaled the scores the module kept, through an alias with
+    # a version counter of its own, after the module returned: the
+    # recompute read the written value (other gradients, silently; found
+    # by a review and documented as unseen until now)
+    model = nn.Sequential(_KeepsItsScores())
+    apply_activation_checkpointing(model, '0', 'save_matmuls')
+    loss = model(_inputs(2, 4, 8)).square().sum()
+    model[0].scores.mul_(2)
+    with pytest.raises(MmdtrError, match='after the module returned'):
+        loss.backward()
+
+
+@pytest.mark.needs_selective_checkpointing
+def test_an_alias_the_module_keeps_and_nobody_writes_is_exact():
+    torch.manual_seed(0)
+    plain, ckpt = _plain_and_checkpointed(
+        nn.Sequential(_KeepsItsScores()), '0', 'save_matmuls')
+    for model in (plain, ckpt):
+        model(_inputs(2, 4, 8)).square().sum().backward()
+    _assert_same(plain, ckpt)
+    assert torch.equal(plain[0].scores, ckpt[0].scores)
+
+
 class _HoldsAnUnusedLazyLayer(nn.Module):
 
     def __init__(self, use_lazy_at=None):
