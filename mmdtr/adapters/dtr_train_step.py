@@ -57,8 +57,8 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
             is required unless ``device`` is CUDA.
         key (str): The config key, for error messages. Defaults to ``'dtr'``.
         device (str | torch.device, optional): The device whose memory is
-            metered. Defaults to the engine's default (CUDA if available,
-            else CPU).
+            metered. Defaults to the engine's default, ``None``: the device
+            of the first storage an op allocates in scope.
 
     Returns:
         dict: The settings as given, as a plain dict.

@@ -149,7 +149,7 @@ def test_memory_drops_by_a_fifth():
     x = torch.randn(8, 3, 32, 32)
     _, peak_plain = measure_peak_memory(_step, plain, x)
     _, peak_fused = measure_peak_memory(_step, model, x)
-    assert peak_fused <= 0.8 * peak_plain  # measured: 0.64
+    assert peak_fused <= 0.8 * peak_plain  # measured: 0.63
 
 
 def test_unknown_name_raises_with_closest():

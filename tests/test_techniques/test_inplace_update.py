@@ -371,3 +371,24 @@ def test_deferred_parameters_do_not_step_after_a_failed_backward():
         loss.backward()
     stepper.end(completed=False)
     assert torch.equal(model.head.weight, before)
+
+
+def test_a_parameter_listed_twice_steps_once_in_backward():
+    # documented: twice per optimizer.step() (torch warns), once with the
+    # per-parameter steps
+    moved = []
+    for in_backward in (False, True):
+        weight = nn.Parameter(torch.zeros(1))
+        with pytest.warns(UserWarning, match='duplicate parameters'):
+            optimizer = torch.optim.SGD([weight, weight], lr=1.0)
+        make_inplace(optimizer)
+        stepper = PerParameterStepper(optimizer) if in_backward else None
+        if stepper is not None:
+            stepper.begin()
+        (weight * -1.0).sum().backward()
+        if stepper is not None:
+            stepper.end()
+        else:
+            optimizer.step()
+        moved.append(weight.item())
+    assert moved == [2.0, 1.0]

@@ -122,3 +122,31 @@ def test_a_checkpointed_module_inside_a_fused_trace_is_refused_here():
             dict(type='_ConvBNNet'),
             efficient_conv_bn_eval=['backbone'],
             activation_checkpointing=['backbone']))
+
+
+@MODELS.register_module(force=True)
+class _ConvModuleNet(nn.Module):
+    """An mmcv ConvModule with a BN, frozen: its own efficient Conv-BN eval
+    applies."""
+
+    def __init__(self):
+        super().__init__()
+        from mmcv.cnn import ConvModule
+        self.backbone = nn.Sequential(
+            ConvModule(3, 4, 3, norm_cfg=dict(type='BN')))
+        self.backbone[0].bn.eval()
+
+
+def test_the_conv_of_a_fused_conv_module_is_refused_here():
+    # docs said --check-config missed it until training started
+    cfg = _config(
+        dict(type='_ConvModuleNet'),
+        efficient_conv_bn_eval=['backbone'],
+        activation_checkpointing=['backbone.0.conv'])
+    with pytest.raises(MmdtrError, match="'backbone.0.conv' is the conv"):
+        check_module_names(cfg)
+    check_module_names(
+        _config(
+            dict(type='_ConvModuleNet'),
+            efficient_conv_bn_eval=['backbone'],
+            activation_checkpointing=['backbone.0']))
