@@ -1,6 +1,6 @@
 """The config checks of :class:`~mmdtr.adapters.runner.MMDTRRunner`: the
-optimizer wrappers, AMP on a machine without CUDA, and distributed training
-on a CPU-only machine.
+runner type, the optimizer wrappers and their optimizers' types, AMP on a
+machine without CUDA, and distributed training on a CPU-only machine.
 
 Each ``@config_check`` runs when the config is translated, before the
 runner and its work dir are built: MMEngine would meet these settings only
@@ -14,7 +14,7 @@ from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
                              is_npu_available)
 
 from mmdtr.errors import MmdtrError
-from mmdtr.registry import OPTIM_WRAPPERS
+from mmdtr.registry import OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
 from .config_translation import (check_scoped_type, config_check, mmdtr_only,
                                  refuse_unless_dict)
 from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
@@ -93,6 +93,58 @@ def _is_inplace(wrapper_type) -> bool:
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
 
 
+def refuse_unregistered(where: str, name, registry, default_scope) -> None:
+    """Refuse a type name of mmdtr's or MMEngine's scope (or of none) that
+    neither registers: MMEngine's builder failed on it in ``runner.train()``
+    or when the runner was built, in a traceback (``KeyError: 'X is not in
+    the runner registry'``, ``TypeError: None is not a callable object``),
+    after the work dir was made (found by a review). Other scopes' names
+    are left to MMEngine: their registries may not be imported yet.
+
+    Args:
+        where (str): The config key, for the message.
+        name: The ``type`` given; only names (strings) are checked.
+        registry (Registry): mmdtr's registry of that kind (its parent is
+            MMEngine's).
+        default_scope (str | None): The config's ``default_scope``.
+
+    Raises:
+        MmdtrError: On such a name, with the closest registered one.
+    """
+    if not isinstance(name, str) or registry.get(name) is not None:
+        return
+    scope, _, short = name.rpartition('.')
+    if (scope or default_scope) not in (None, 'mmdtr', 'mmengine'):
+        return
+    known = sorted({*registry.module_dict, *registry.parent.module_dict})
+    close = difflib.get_close_matches(short, known, n=1, cutoff=0.6)
+    raise MmdtrError(
+        f'{where}={name!r} is not registered.',
+        hint=(f'closest match: {close[0]!r}; ' if close else '') +
+        f'registered: {known}.')
+
+
+@config_check
+def check_runner_type(cfg, custom_hooks: list) -> None:
+    """Check ``runner_type``: a class, or a registered name.
+
+    Raises:
+        MmdtrError: On another value, or a name of mmdtr's or MMEngine's
+            scope that is not registered (``MMDTRrunner``).
+    """
+    runner_type = cfg.get('runner_type', None)
+    if runner_type is None or inspect.isclass(runner_type):
+        return
+    if not isinstance(runner_type, str):
+        raise MmdtrError(
+            f'runner_type={runner_type!r} is not accepted: a registered '
+            'runner name or a runner class.',
+            hint="e.g. runner_type='MMDTRRunner' (or 'mmdtr.MMDTRRunner'), "
+            "or leave it out: tools/train.py builds mmdtr's runner.")
+    refuse_unregistered('runner_type', runner_type, RUNNERS,
+                        cfg.get('default_scope', None))
+
+
 @config_check
 def check_cpu_distributed(cfg, custom_hooks: list) -> None:
     """With a launcher and no accelerator, check ``env_cfg.dist_cfg`` and
@@ -148,7 +200,7 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
                           default_scope)
         built_by_default = default and _default_constructor(wrapper)
         if built_by_default:
-            _check_optimizer_key(wrapper)
+            _check_optimizer_key(wrapper, default_scope)
         if _is_inplace(wrapper.get('type')):
             check_wrapper_config(wrapper, distributed)
             continue
@@ -161,9 +213,10 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
             clip_grad_settings(wrapper.get('clip_grad', None), False)
 
 
-def _check_optimizer_key(wrapper: dict) -> None:
+def _check_optimizer_key(wrapper: dict, default_scope) -> None:
     """The default constructor builds ``optimizer`` from a dict (anything
-    else failed in ``runner.train()`` with an AttributeError)."""
+    else failed in ``runner.train()`` with an AttributeError) with a
+    registered type."""
     optimizer = wrapper.get('optimizer', None)
     if 'optimizer' in wrapper and not isinstance(optimizer, dict):
         raise MmdtrError(
@@ -171,6 +224,10 @@ def _check_optimizer_key(wrapper: dict) -> None:
             "MMEngine's default constructor builds it from a dict with a "
             'type.',
             hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
+    if isinstance(optimizer, dict):
+        refuse_unregistered('optim_wrapper.optimizer.type',
+                            optimizer.get('type', None), OPTIMIZERS,
+                            optimizer.get('_scope_', None) or default_scope)
 
 
 def _check_wrapper_keys(wrapper: dict, default_scope) -> None:

@@ -1,0 +1,67 @@
+"""Runner and optimizer types checked when the config is read: a misspelt
+name of mmdtr's or MMEngine's scope failed in the runner's build or in
+``runner.train()``, in a traceback, after the work dir was made."""
+import pytest
+from mmengine.runner import Runner
+
+from mmdtr.adapters.config_translation import translate_memory_keys
+from mmdtr.errors import MmdtrError
+
+
+@pytest.fixture
+def make_cfg(toy_runner_cfg, tmp_path):
+
+    def make(**keys):
+        return toy_runner_cfg(tmp_path, 'LinearToyModel', 'RangeToyDataset',
+                              'runner_config_checks', **keys)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    'keys, match', [
+        (dict(runner_type='MMDTRrunner'),
+         r"runner_type='MMDTRrunner' is not registered.*closest match: "
+         r"'MMDTRRunner'"),
+        (dict(runner_type='mmengine.Runer'),
+         r"runner_type='mmengine.Runer' is not registered.*closest match: "
+         r"'Runner'"),
+        (dict(runner_type=3), 'runner_type=3 is not accepted'),
+        (dict(optimizer=dict(type='SGDD', lr=0.1)),
+         r"optimizer.type='SGDD' is not registered.*closest match: 'SGD'"),
+        (dict(optimizer=dict(type='mmdtr.AdamWW', lr=0.1)),
+         r"optimizer.type='mmdtr.AdamWW' is not registered"),
+    ],
+    ids=[
+        'runner_typo', 'runner_scoped_typo', 'runner_int', 'optimizer_typo',
+        'optimizer_scoped_typo'
+    ])
+def test_unregistered_types_are_refused_before_the_runner(
+        keys, match, make_cfg, tmp_path):
+    cfg = make_cfg(**keys)
+    with pytest.raises(MmdtrError, match=match) as info:
+        translate_memory_keys(cfg)
+    assert 'Hint:' in str(info.value)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    'keys',
+    [
+        dict(runner_type='MMDTRRunner'),
+        dict(runner_type='mmdtr.MMDTRRunner'),
+        dict(runner_type='Runner'),
+        dict(runner_type=Runner),
+        dict(runner_type='mmdet.AnyRunner'),  # another scope's: MMEngine's
+        dict(runner_type='AnyRunner', default_scope='mmdet'),
+        dict(optimizer=dict(type='AdamW', lr=0.1)),
+        dict(optimizer=dict(type='mmdet.AnyOptimizer', lr=0.1)),
+    ])
+def test_registered_types_and_other_scopes_pass(keys, make_cfg):
+    translate_memory_keys(make_cfg(**keys))
+
+
+def test_a_custom_constructor_reads_the_optimizer_its_own_way(make_cfg):
+    cfg = make_cfg(optimizer=dict(type='NotAnOptimizer', lr=0.1))
+    cfg.optim_wrapper.constructor = 'mmdet.LayerDecayConstructor'
+    translate_memory_keys(cfg)
