@@ -17,7 +17,8 @@ from mmengine.config import Config
 from mmengine.registry import RUNNERS
 
 from mmdtr.adapters.config_translation import translate_memory_keys
-from mmdtr.adapters.cpu_process_group import close_dist
+from mmdtr.adapters.cpu_process_group import (check_launcher_env, close_dist,
+                                              dist_cfg_of)
 from mmdtr.adapters.runner import MMDTRRunner, dump_config_as_written
 from mmdtr.adapters.runner_config_checks import (amp_convertible,
                                                  check_amp_available)
@@ -176,11 +177,14 @@ def main(argv=None):
             # before the runner makes its work dir; under dist_train.sh
             # once, in its check, not in every rank (found by an
             # adversarial search)
-            check_module_names(cfg)
+            check_module_names(cfg, strict=args.check_config)
         if args.check_config:
             print(f'mmdtr: {args.config} checked: the config, its mmdtr '
                   'keys, the arguments and the module names are accepted.')
             return
+        # not in --check-config: tools/dist_train.sh runs it before torchrun
+        check_launcher_env(args.launcher,
+                           dist_cfg_of(cfg.get('env_cfg', None)))
         runner = build_runner(cfg)
     except MmdtrError as e:
         close_dist(wait=False)  # a runner may have made the group

@@ -144,6 +144,35 @@ def _env_int(name: str, launcher: str) -> int:
             'for --launcher pytorch.') from None
 
 
+def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
+    """Check, before the runner makes its work dir, that the variables a
+    launcher's processes get are set (a run of ``tools/train.py
+    --launcher pytorch`` outside torchrun made the work dir, then failed;
+    found by a review). Another ``init_method`` than ``env://`` needs no
+    address.
+
+    Args:
+        launcher (str): ``'pytorch'``, ``'slurm'`` or ``'mpi'``; others
+            are left to the runner.
+        dist_cfg (dict, optional): ``env_cfg.dist_cfg``.
+
+    Raises:
+        MmdtrError: Naming the first variable missing or not an integer.
+    """
+    if launcher not in _LAUNCHER_ENV:
+        return
+    for name in _LAUNCHER_ENV[launcher]:
+        _env_int(name, launcher)
+    if launcher == 'slurm':
+        if 'MASTER_ADDR' not in os.environ:
+            _env('SLURM_NODELIST', launcher)
+    elif launcher == 'mpi' or (dist_cfg or {}).get('init_method',
+                                                   'env://') == 'env://':
+        _env('MASTER_ADDR', launcher)
+        if launcher == 'pytorch':
+            _env_int('MASTER_PORT', launcher)
+
+
 def init_cpu_dist(launcher: str,
                   backend: str = 'gloo',
                   init_backend: str = 'torch',

@@ -15,6 +15,7 @@ from mmengine.runner import get_priority
 from torch import nn
 
 from mmdtr.adapters.config_translation import MEMORY_KEY_HOOKS, hook_name
+from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
 
 #: the memory keys whose hooks select modules by name
@@ -25,18 +26,23 @@ _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 
 
-def check_module_names(cfg) -> None:
+def check_module_names(cfg, strict: bool = False) -> None:
     """Run the module-name checks of the config's selecting hooks.
 
     Only mmdtr's own hooks are checked (others may be another scope's). The
     model is built as MMEngine's Runner builds it (its registry, the
     config's default scope, from a copy of ``cfg.model`` given the config's
-    ``data_preprocessor``); one that cannot be built here is left to the
-    runner, which says why.
+    ``data_preprocessor``). An :class:`MmdtrError` from that build (one of
+    mmdtr's models refusing an argument) is raised; a model that cannot be
+    built here for another reason is left to the runner, which says why,
+    unless ``strict``.
 
     Args:
         cfg (Config): A config translated by
             :func:`~mmdtr.adapters.config_translation.translate_memory_keys`.
+        strict (bool): Refuse a model that cannot be built here, naming the
+            error (``--check-config``: the names would go unchecked while
+            the check said they were accepted; found by a review).
 
     When both keys are set, the two hooks are also applied to that model,
     as the runner applies them, so that a module checkpointed inside one
@@ -44,8 +50,8 @@ def check_module_names(cfg) -> None:
 
     Raises:
         MmdtrError: If a selecting hook names no module of the model
-            (``activation_checkpointing=backbone.layr2``), or the two
-            cannot apply together.
+            (``activation_checkpointing=backbone.layr2``), the two cannot
+            apply together, or the model cannot be built (see above).
     """
     names = [MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
     selecting = [
@@ -66,8 +72,17 @@ def check_module_names(cfg) -> None:
         with DefaultScope.overwrite_default_scope(scope):
             try:
                 model = MODELS.build(model)
-            except Exception:  # noqa: B902 - the runner will say why
-                return
+            except MmdtrError:
+                raise  # the runner would raise it, once its work dir exists
+            except Exception as e:  # noqa: B902 - the runner will say why
+                if not strict:
+                    return
+                raise MmdtrError(
+                    'the model could not be built to check the module names '
+                    f'of {[hook_name(h) for h in selecting]}: '
+                    f'{type(e).__name__}: {e}',
+                    hint='fix the model config; the runner would fail to '
+                    'build it too.') from e
     built = model is not cfg.get('model')  # a model of its own: changed
     runner = types.SimpleNamespace(
         model=model, cfg=cfg, hooks=selecting, logger=_SILENT)

@@ -10,7 +10,8 @@ from mmengine.model import MMDistributedDataParallel
 from torch import nn
 
 from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
-from mmdtr.adapters.cpu_process_group import close_dist, init_cpu_dist
+from mmdtr.adapters.cpu_process_group import (check_launcher_env, close_dist,
+                                              init_cpu_dist)
 from mmdtr.adapters.distributed import MMDTRDistributedDataParallel
 from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
 from mmdtr.adapters.runner import MMDTRRunner
@@ -198,6 +199,39 @@ def test_init_cpu_dist_with_an_init_method_needs_no_master_address(
     monkeypatch.delenv('MASTER_PORT')
     init_cpu_dist('pytorch', init_method=f'tcp://127.0.0.1:{port}')
     assert torch_dist.get_world_size() == 1
+
+
+@pytest.mark.parametrize('launcher, unset, match', [
+    ('pytorch', 'WORLD_SIZE', 'needs the environment variable WORLD_SIZE'),
+    ('pytorch', 'MASTER_PORT', 'needs the environment variable MASTER_PORT'),
+    ('slurm', None, 'needs the environment variable SLURM_PROCID'),
+    ('mpi', None, 'needs the environment variable OMPI_COMM_WORLD_RANK'),
+])
+def test_launcher_variables_are_checked_before_the_runner(
+        single_rank_env, monkeypatch, tmp_path, train_tool, toy_config,
+        launcher, unset, match):
+    # the runner made its work dir, then failed (found by a review)
+    if unset is not None:
+        monkeypatch.delenv(unset)
+    with pytest.raises(MmdtrError, match=match):
+        check_launcher_env(launcher)
+    work_dir = tmp_path / 'work'
+    with pytest.raises(SystemExit):
+        train_tool.main(
+            [toy_config, '--launcher', launcher, '--work-dir',
+             str(work_dir)])
+    assert not work_dir.exists()
+    # --check-config runs outside the launcher (tools/dist_train.sh)
+    train_tool.main([toy_config, '--launcher', launcher, '--check-config'])
+
+
+def test_launcher_variables_with_an_init_method(single_rank_env, monkeypatch):
+    check_launcher_env('pytorch')
+    check_launcher_env('none')
+    monkeypatch.delenv('MASTER_ADDR')
+    check_launcher_env('pytorch', dict(init_method='tcp://127.0.0.1:1'))
+    with pytest.raises(MmdtrError, match='MASTER_ADDR'):
+        check_launcher_env('pytorch')
 
 
 @cpu_only

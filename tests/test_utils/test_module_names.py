@@ -75,6 +75,32 @@ def test_a_model_that_cannot_be_built_is_left_to_the_runner():
         _config(dict(type='NoSuchModel'), activation_checkpointing='x'))
 
 
+def test_a_model_that_cannot_be_built_is_refused_when_strict():
+    # --check-config said the names were accepted, unchecked (found by a
+    # review)
+    with pytest.raises(MmdtrError, match='could not be built.*NoSuchModel'):
+        check_module_names(
+            _config(dict(type='NoSuchModel'), activation_checkpointing='x'),
+            strict=True)
+
+
+@MODELS.register_module(force=True)
+class _RefusesItsDepth(nn.Module):
+
+    def __init__(self, depth):
+        super().__init__()
+        raise MmdtrError(f'depth={depth} is not accepted.', hint='18 or 50.')
+
+
+def test_an_mmdtr_error_of_the_build_is_raised():
+    # it came from the runner's build, after the work dir was made
+    with pytest.raises(MmdtrError, match='depth=19'):
+        check_module_names(
+            _config(
+                dict(type='_RefusesItsDepth', depth=19),
+                activation_checkpointing='x'))
+
+
 @pytest.mark.needs_selective_checkpointing
 def test_two_checkpointing_hooks_with_other_policies_are_checked_too():
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)))
