@@ -62,7 +62,8 @@ def translate_activation_checkpointing(value) -> dict:
             f'{KEY}={value!r} ({type(value).__name__}) is not accepted. '
             f'Accepted: {_ACCEPTED}.',
             hint="e.g. activation_checkpointing = 'backbone.layer*'.")
-    modules = as_name_list(modules, KEY)
+    modules = as_name_list(
+        modules, f'{KEY}.modules' if isinstance(value, dict) else KEY)
     normalize_policy(policy)
     if isinstance(policy, tuple):
         policy = list(policy)

@@ -26,7 +26,7 @@ from mmengine.logging import MessageHub
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-from mmdtr.dtr import DTR, DTRStats, engine_active
+from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
 
 #: The sub-keys of ``dtr`` (the arguments of :class:`~mmdtr.dtr.DTR` that a
@@ -87,6 +87,18 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
                 (f', closest matches: {close}.' if close else '.'),
                 hint=f'e.g. {_EXAMPLE}.')
     settings = dict(value)
+    policy = settings.get('policy', None)
+    if isinstance(policy, str) and policy not in POLICIES:
+        # the engine's own hint offers an EvictionPolicy object, which a
+        # config refuses (found by a review)
+        close = difflib.get_close_matches(policy, POLICIES, n=1)
+        raise MmdtrError(
+            f'{key}.policy={policy!r} is not an eviction policy; accepted: '
+            f'{sorted(POLICIES)}' +
+            (f', closest match: {close[0]!r}.' if close else '.'),
+            hint='a policy of your own is accepted by the name it was '
+            'registered under (mmdtr.dtr.register_policy) in a module the '
+            'config imports (custom_imports).')
     try:
         DTR(device=device, **settings)
     except MmdtrError as e:

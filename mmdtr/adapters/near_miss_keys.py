@@ -33,6 +33,12 @@ SETTING_SECTIONS = {
     'accumulative_counts': 'optim_wrapper',
     'step_in_backward': 'optim_wrapper',
 }
+#: Sub-keys of several sections, refused at the top level of
+#: ``--cfg-options`` only (a config's own variable may be named so).
+OPTION_SETTINGS = {
+    'policy': ('dtr', 'activation_checkpointing'),
+    'modules': ('activation_checkpointing', 'efficient_conv_bn_eval'),
+}
 
 
 def _imported(value) -> bool:
@@ -136,6 +142,9 @@ def refuse_top_level_settings(options: Mapping) -> None:
     resolved when it is read, so such an option reaches nothing (the demo
     kept its threshold; found by an adversarial search).
 
+    The sub-keys of :data:`OPTION_SETTINGS` (``policy=lru``) are refused
+    too: MMEngine reads no such top-level key either.
+
     Args:
         options (Mapping): The options, dotted keys as given.
 
@@ -145,12 +154,15 @@ def refuse_top_level_settings(options: Mapping) -> None:
     for key, value in options.items():
         if key in SETTING_SECTIONS:
             raise _misplaced(key, value)
+        if key in OPTION_SETTINGS:
+            raise _misplaced(key, value, OPTION_SETTINGS[key])
 
 
-def _misplaced(key: str, value) -> MmdtrError:
-    section = SETTING_SECTIONS[key]
+def _misplaced(key: str, value, sections=None) -> MmdtrError:
+    sections = sections or (SETTING_SECTIONS[key], )
+    places = ' or '.join(f'{section}.{key}' for section in sections)
     return MmdtrError(
         f'{key}={value!r} is a top-level key: mmdtr reads it only as '
-        f'{section}.{key}, so it would be ignored.',
-        hint=f'give it as {section}.{key} (--cfg-options {section}.{key}=...)'
-        f', or, if it is a variable, use it in {section}.')
+        f'{places}, so it would be ignored.',
+        hint=f'give it as {places} (--cfg-options {sections[0]}.{key}=...)'
+        f', or, if it is a variable, use it in {" or ".join(sections)}.')

@@ -53,21 +53,27 @@ def test_translate_accepted_forms(value, modules, policy):
     assert isinstance(hook, ActivationCheckpointingHook)
 
 
-@pytest.mark.parametrize('value, text', [
-    (3, "activation_checkpointing=3 (int) is not accepted. Accepted: a "
-     'module name or glob pattern (str), a list of them, or dict(modules='),
-    (True, 'activation_checkpointing=True (bool) is not accepted'),
-    ([], 'activation_checkpointing=[] is not accepted: expected a module '
-     'name or a non-empty list'),
-    (['a', 2], "activation_checkpointing=['a', 2] is not accepted"),
-    (dict(policy='save_matmuls'), "the dict form takes the keys 'modules' "
-     "(required) and 'policy'"),
-    (dict(modules='a', polcy=None), "got the unknown keys ['polcy']"),
-    (dict(policy='save_matmuls'), 'got no modules'),
-    (dict(modules='a', policy='fast'), "policy='fast' is not accepted: "
-     'unknown policy name'),
-    (dict(modules='a', policy=['matmull']), "Closest aten ops: ['matmul'"),
-])
+@pytest.mark.parametrize(
+    'value, text',
+    [
+        (3, "activation_checkpointing=3 (int) is not accepted. Accepted: a "
+         'module name or glob pattern (str), a list of them, or dict(modules='
+         ),
+        (True, 'activation_checkpointing=True (bool) is not accepted'),
+        ([], 'activation_checkpointing=[] is not accepted: expected a module '
+         'name or a non-empty list'),
+        (['a', 2], "activation_checkpointing=['a', 2] is not accepted"),
+        (dict(policy='save_matmuls'), "the dict form takes the keys 'modules' "
+         "(required) and 'policy'"),
+        (dict(modules='a', polcy=None), "got the unknown keys ['polcy']"),
+        (dict(policy='save_matmuls'), 'got no modules'),
+        (dict(modules='a', policy='fast'), "policy='fast' is not accepted: "
+         'unknown policy name'),
+        (dict(modules='a', policy=['matmull']), "Closest aten ops: ['matmul'"),
+        # named the whole key's value as 3 (found by a review)
+        (dict(modules=3), 'activation_checkpointing.modules=3 is not accepted'
+         ),
+    ])
 def test_translate_rejects(value, text):
     with pytest.raises(MmdtrError) as info:
         translate_activation_checkpointing(value)

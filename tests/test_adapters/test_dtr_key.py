@@ -39,27 +39,36 @@ def test_translate_accepted(value, hook_cfg):
         hook_cfg['eviction_threshold'])
 
 
-@pytest.mark.parametrize('value, text', [
-    ('3GB', "dtr='3GB' (str) is not accepted; expected a dict with the "
-     "keys ['eviction_threshold', 'evictee_minimum_size', "
-     "'enable_sqrt_sampling', 'policy']"),
-    (True, 'dtr=True (bool) is not accepted'),
-    (dict(eviction_treshold='3GB'), 'dtr.eviction_treshold is not a DTR '
-     "setting; accepted: ['eviction_threshold', 'evictee_minimum_size', "
-     "'enable_sqrt_sampling', 'policy'], closest matches: "
-     "['eviction_threshold']"),
-    (dict(eviction_threshold='3GB',
-          sqrt_sampling=True), "closest matches: ['enable_sqrt_sampling']"),
-    (dict(eviction_threshold='3XB'), "dtr={'eviction_threshold': '3XB'} is "
-     "not accepted: eviction_threshold='3XB' is not a size."),
-    (dict(eviction_threshold=-1), 'eviction_threshold=-1 is negative'),
-    (dict(eviction_threshold='1GB',
-          evictee_minimum_size=[1]), 'evictee_minimum_size=[1] is not a size'),
-    (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
-     "enable_sqrt_sampling='yes' is not a bool"),
-    (dict(eviction_threshold='1GB',
-          policy='fifo'), "policy='fifo' is not an eviction policy"),
-])
+@pytest.mark.parametrize(
+    'value, text',
+    [
+        ('3GB', "dtr='3GB' (str) is not accepted; expected a dict with the "
+         "keys ['eviction_threshold', 'evictee_minimum_size', "
+         "'enable_sqrt_sampling', 'policy']"),
+        (True, 'dtr=True (bool) is not accepted'),
+        (dict(eviction_treshold='3GB'), 'dtr.eviction_treshold is not a DTR '
+         "setting; accepted: ['eviction_threshold', 'evictee_minimum_size', "
+         "'enable_sqrt_sampling', 'policy'], closest matches: "
+         "['eviction_threshold']"),
+        (dict(eviction_threshold='3GB', sqrt_sampling=True),
+         "closest matches: ['enable_sqrt_sampling']"),
+        (dict(eviction_threshold='3XB'),
+         "dtr={'eviction_threshold': '3XB'} is "
+         "not accepted: eviction_threshold='3XB' is not a size."),
+        (dict(eviction_threshold=-1), 'eviction_threshold=-1 is negative'),
+        (dict(eviction_threshold='1GB', evictee_minimum_size=[1]),
+         'evictee_minimum_size=[1] is not a size'),
+        (dict(eviction_threshold='1GB', enable_sqrt_sampling='yes'),
+         "enable_sqrt_sampling='yes' is not a bool"),
+        (dict(eviction_threshold='1GB',
+              policy='fifo'), "policy='fifo' is not an eviction policy"),
+        # the engine's hint offered an EvictionPolicy object, which a config
+        # refuses (found by a review)
+        (dict(eviction_threshold='1GB', policy='lrux'),
+         "dtr.policy='lrux' is not an eviction policy; accepted: ['dtr', "
+         "'dtr_local', 'largest', 'lru'], closest match: 'lru'. Hint: a policy "
+         'of your own is accepted by the name it was registered under'),
+    ])
 def test_translate_rejects(value, text):
     with pytest.raises(MmdtrError) as info:
         translate_dtr(value)

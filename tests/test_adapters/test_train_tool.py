@@ -146,6 +146,11 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
         # search: the demo kept its threshold)
         (['eviction_threshold=40MB'], 'mmdtr reads it only as '
          'dtr.eviction_threshold'),
+        # sub-keys of several sections: ignored too (found by a review)
+        (['policy=lru'], 'mmdtr reads it only as dtr.policy or '
+         'activation_checkpointing.policy'),
+        (['modules=backbone'], 'only as activation_checkpointing.modules or '
+         'efficient_conv_bn_eval.modules'),
     ])
 def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
     with pytest.raises(MmdtrError, match=match):
