@@ -225,9 +225,38 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
             'type.',
             hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
     if isinstance(optimizer, dict):
-        refuse_unregistered('optim_wrapper.optimizer.type',
-                            optimizer.get('type', None), OPTIMIZERS,
+        optimizer_type = optimizer.get('type', None)
+        refuse_unregistered('optim_wrapper.optimizer.type', optimizer_type,
+                            OPTIMIZERS,
                             optimizer.get('_scope_', None) or default_scope)
+        cls = optimizer_type if inspect.isclass(optimizer_type) else \
+            OPTIMIZERS.get(optimizer_type) if isinstance(
+                optimizer_type, str) else None
+        if cls is not None:
+            _check_optimizer_arguments(optimizer, cls)
+
+
+def _check_optimizer_arguments(optimizer: dict, cls) -> None:
+    """Refuse a key ``cls`` does not take (``accumulative_counts`` one level
+    too deep: a raw TypeError of the optimizer's ``__init__`` in
+    ``runner.train()``; found by a review). An ``__init__`` with
+    ``**kwargs`` may take anything: not checked."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
+        return
+    accepted = sorted({p.name for p in params} - {'self'})
+    check_keys(
+        optimizer,
+        accepted + ['_scope_', 'type'],
+        'optim_wrapper.optimizer',
+        f'an argument of {cls.__name__}',
+        values=optimizer,
+        example='accumulative_counts and clip_grad belong to optim_wrapper '
+        'itself' if {'accumulative_counts', 'clip_grad'}
+        & set(optimizer) else '')
 
 
 def _check_wrapper_keys(wrapper: dict, default_scope) -> None:

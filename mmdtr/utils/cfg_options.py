@@ -99,10 +99,18 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
     try:
         cfg.merge_from_dict(options)
     except (TypeError, KeyError, IndexError, ValueError, AttributeError) as e:
+        indexed = [
+            key for key in options
+            if any(part.isdigit() for part in str(key).split('.'))
+        ]
         raise MmdtrError(
             f'--cfg-options {options!r} cannot be merged into '
             f'{cfg.filename}: {e}',
-            hint='a dotted key must follow the nesting of the config.') from e
+            hint='a dotted key must follow the nesting of the config' +
+            (f'; an index ({indexed[0]}) can reach only into a list of '
+             "dicts (MMEngine's rule): give the whole list instead,"
+             f" e.g. {indexed[0].split('.')[0]}=[a,b]."
+             if indexed else '.')) from e
     if 'custom_imports' not in options and not any(
             key.startswith('custom_imports.') for key in options):
         return

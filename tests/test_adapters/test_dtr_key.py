@@ -66,8 +66,8 @@ def test_translate_accepted(value, hook_cfg):
         # refuses (found by a review)
         (dict(eviction_threshold='1GB', policy='lrux'),
          "dtr.policy='lrux' is not an eviction policy; accepted: ['dtr', "
-         "'dtr_local', 'largest', 'lru'], closest match: 'lru'. Hint: a policy "
-         'of your own is accepted by the name it was registered under'),
+         "'dtr_local', 'largest', 'lru'], closest match: 'lru'. Hint: a "
+         'policy of your own is accepted by the name it was registered'),
     ])
 def test_translate_rejects(value, text):
     with pytest.raises(MmdtrError) as info:

@@ -19,7 +19,8 @@ def make_cfg(toy_runner_cfg, tmp_path):
 
 
 @pytest.mark.parametrize(
-    'keys, match', [
+    'keys, match',
+    [
         (dict(runner_type='MMDTRrunner'),
          r"runner_type='MMDTRrunner' is not registered.*closest match: "
          r"'MMDTRRunner'"),
@@ -31,10 +32,16 @@ def make_cfg(toy_runner_cfg, tmp_path):
          r"optimizer.type='SGDD' is not registered.*closest match: 'SGD'"),
         (dict(optimizer=dict(type='mmdtr.AdamWW', lr=0.1)),
          r"optimizer.type='mmdtr.AdamWW' is not registered"),
+        # a raw TypeError of SGD.__init__ in runner.train()
+        (dict(optimizer=dict(type='SGD', lr=0.1, accumulative_counts=2)),
+         r'optimizer.accumulative_counts=2 is not accepted: not an argument '
+         r'of SGD.*belong to optim_wrapper itself'),
+        (dict(optimizer=dict(type='SGD', lr=0.1, momentm=0.9)),
+         'rename momentm to momentum'),
     ],
     ids=[
         'runner_typo', 'runner_scoped_typo', 'runner_int', 'optimizer_typo',
-        'optimizer_scoped_typo'
+        'optimizer_scoped_typo', 'optimizer_wrapper_key', 'optimizer_arg_typo'
     ])
 def test_unregistered_types_are_refused_before_the_runner(
         keys, match, make_cfg, tmp_path):
@@ -56,6 +63,8 @@ def test_unregistered_types_are_refused_before_the_runner(
         dict(runner_type='AnyRunner', default_scope='mmdet'),
         dict(optimizer=dict(type='AdamW', lr=0.1)),
         dict(optimizer=dict(type='mmdet.AnyOptimizer', lr=0.1)),
+        dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9, nesterov=True)),
+        dict(optimizer=dict(type='ZeroRedundancyOptimizer', lr=0.1, any=1)),
     ])
 def test_registered_types_and_other_scopes_pass(keys, make_cfg):
     translate_memory_keys(make_cfg(**keys))

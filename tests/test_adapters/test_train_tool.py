@@ -161,8 +161,10 @@ def test_dotted_index_into_a_list_of_strings_raises(train_tool, toy_config,
                                                     tmp_path):
     config = tmp_path / 'names.py'
     config.write_text(f"_base_ = ['{toy_config}']\nnames = ['a']\n")
-    with pytest.raises(MmdtrError, match='cannot be merged'):
+    with pytest.raises(MmdtrError, match='cannot be merged') as info:
         build(train_tool, str(config), '--cfg-options', 'names.0=b')
+    # the reason was only "'str' object has no attribute 'copy'" (a review)
+    assert 'give the whole list instead, e.g. names=[a,b]' in info.value.hint
 
 
 def test_args_are_applied(train_tool, toy_config, tmp_path):
