@@ -173,14 +173,20 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         cfg = build_cfg(args)
+        unchecked = None
         if args.check_config or args.launcher == 'none':
             # before the runner makes its work dir; under dist_train.sh
             # once, in its check, not in every rank (found by an
             # adversarial search)
-            check_module_names(cfg, strict=args.check_config)
+            unchecked = check_module_names(
+                cfg, strict=args.check_config and args.launcher == 'none')
         if args.check_config:
             print(f'mmdtr: {args.config} checked: the config, its mmdtr '
-                  'keys, the arguments and the module names are accepted.')
+                  'keys, the arguments and the module names are accepted.'
+                  if unchecked is None else
+                  f'mmdtr: {args.config} checked: the config, its mmdtr '
+                  'keys and the arguments are accepted; the module names '
+                  f'are checked when training starts: {unchecked}.')
             return
         # not in --check-config: tools/dist_train.sh runs it before torchrun
         check_launcher_env(args.launcher,

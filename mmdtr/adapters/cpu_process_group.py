@@ -33,14 +33,25 @@ _CPU_BACKENDS = ('gloo', 'mpi')
 #: The longest collective timeout: what a ``datetime.timedelta`` holds.
 MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
 
+#: launcher -> how its processes get their variables, for hints
+_STARTED_BY = {
+    'pytorch':
+    'start the processes with tools/dist_train.sh (torchrun) '
+    'for --launcher pytorch.',
+    'slurm':
+    'start the processes with srun (--launcher slurm).',
+    'mpi':
+    'start the processes with mpirun (--launcher mpi), and set '
+    'MASTER_ADDR.',
+}
+
 
 def _env(name: str, launcher: str) -> str:
     if name not in os.environ:
         raise MmdtrError(
             f'launcher {launcher!r} needs the environment variable {name}, '
             'which is not set.',
-            hint='start the processes with tools/dist_train.sh (torchrun) '
-            'for --launcher pytorch.')
+            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch']))
     return os.environ[name]
 
 
@@ -140,8 +151,7 @@ def _env_int(name: str, launcher: str) -> int:
         raise MmdtrError(
             f'launcher {launcher!r}: the environment variable {name}='
             f'{value!r} is not an integer.',
-            hint='start the processes with tools/dist_train.sh (torchrun) '
-            'for --launcher pytorch.') from None
+            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch'])) from None
 
 
 def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
@@ -161,7 +171,9 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
     """
     if launcher not in _LAUNCHER_ENV:
         return
-    for name in _LAUNCHER_ENV[launcher]:
+    # the rank and the world size; a local rank has fallbacks (MMEngine's
+    # slurm path computes one; found by a review)
+    for name in _LAUNCHER_ENV[launcher][:2]:
         _env_int(name, launcher)
     if launcher == 'slurm':
         if 'MASTER_ADDR' not in os.environ:

@@ -226,9 +226,14 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
             hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
     if isinstance(optimizer, dict):
         optimizer_type = optimizer.get('type', None)
+        scope = optimizer.get('_scope_', None) or default_scope
         refuse_unregistered('optim_wrapper.optimizer.type', optimizer_type,
-                            OPTIMIZERS,
-                            optimizer.get('_scope_', None) or default_scope)
+                            OPTIMIZERS, scope)
+        if isinstance(optimizer_type,
+                      str) and (optimizer_type.rpartition('.')[0]
+                                or scope) not in (None, 'mmdtr', 'mmengine'):
+            return  # another scope may register its own class by that name
+            # (found by a review)
         cls = optimizer_type if inspect.isclass(optimizer_type) else \
             OPTIMIZERS.get(optimizer_type) if isinstance(
                 optimizer_type, str) else None

@@ -75,6 +75,14 @@ def read_config(path: str) -> Config:
     return Config.fromfile(path)
 
 
+def _list_key(key: str) -> str:
+    """The dotted key of the list an index in ``key`` reaches into
+    (``model.choices`` of ``model.choices.1``)."""
+    parts = key.split('.')
+    first = next(i for i, part in enumerate(parts) if part.isdigit())
+    return '.'.join(parts[:first])
+
+
 def merge_cfg_options(cfg: Config, options: dict) -> None:
     """Merge ``--cfg-options`` into ``cfg`` and import its custom_imports.
 
@@ -109,7 +117,7 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
             hint='a dotted key must follow the nesting of the config' +
             (f'; an index ({indexed[0]}) can reach only into a list of '
              "dicts (MMEngine's rule): give the whole list instead,"
-             f" e.g. {indexed[0].split('.')[0]}=[a,b]."
+             f' e.g. {_list_key(indexed[0])}=[a,b].'
              if indexed else '.')) from e
     if 'custom_imports' not in options and not any(
             key.startswith('custom_imports.') for key in options):

@@ -9,6 +9,7 @@ The hooks that select modules by name (``activation_checkpointing``,
 import copy
 import logging
 import types
+from typing import Optional
 
 from mmengine.registry import MODELS, DefaultScope
 from mmengine.runner import get_priority
@@ -26,7 +27,7 @@ _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 
 
-def check_module_names(cfg, strict: bool = False) -> None:
+def check_module_names(cfg, strict: bool = False) -> Optional[str]:
     """Run the module-name checks of the config's selecting hooks.
 
     Only mmdtr's own hooks are checked (others may be another scope's). The
@@ -35,14 +36,20 @@ def check_module_names(cfg, strict: bool = False) -> None:
     ``data_preprocessor``). An :class:`MmdtrError` from that build (one of
     mmdtr's models refusing an argument) is raised; a model that cannot be
     built here for another reason is left to the runner, which says why,
-    unless ``strict``.
+    unless ``strict``; the reason is returned.
 
     Args:
         cfg (Config): A config translated by
             :func:`~mmdtr.adapters.config_translation.translate_memory_keys`.
         strict (bool): Refuse a model that cannot be built here, naming the
-            error (``--check-config``: the names would go unchecked while
-            the check said they were accepted; found by a review).
+            error (``--check-config`` without a launcher: the names would go
+            unchecked while the check said they were accepted; found by a
+            review). Under a launcher a model may need the process group
+            to be built: the ranks check the names in ``before_run``.
+
+    Returns:
+        str | None: Why the names were not checked (the model could not
+        be built here, not ``strict``), or None.
 
     When both keys are set, the two hooks are also applied to that model,
     as the runner applies them, so that a module checkpointed inside one
@@ -59,7 +66,7 @@ def check_module_names(cfg, strict: bool = False) -> None:
         if isinstance(h, dict) and hook_name(h) in names
     ]
     if not selecting:
-        return
+        return None
     model = cfg.get('model')
     if not isinstance(model, nn.Module):  # built as the runner builds it,
         # from a copy (a model's __init__ may pop from its config; found by
@@ -76,7 +83,8 @@ def check_module_names(cfg, strict: bool = False) -> None:
                 raise  # the runner would raise it, once its work dir exists
             except Exception as e:  # noqa: B902 - the runner will say why
                 if not strict:
-                    return
+                    return ('the model could not be built here '
+                            f'({type(e).__name__}: {e})')
                 raise MmdtrError(
                     'the model could not be built to check the module names '
                     f'of {[hook_name(h) for h in selecting]}: '
@@ -95,3 +103,4 @@ def check_module_names(cfg, strict: bool = False) -> None:
         # work dir was made and the model changed (found by a review)
         for hook in sorted(selecting, key=lambda h: get_priority(h.priority)):
             hook.before_train(runner)
+    return None

@@ -225,6 +225,20 @@ def test_launcher_variables_are_checked_before_the_runner(
     train_tool.main([toy_config, '--launcher', launcher, '--check-config'])
 
 
+def test_slurm_needs_no_local_rank(monkeypatch):
+    # MMEngine's slurm path computes one when SLURM_LOCALID is unset (a
+    # review of the check's first form)
+    monkeypatch.setenv('SLURM_PROCID', '0')
+    monkeypatch.setenv('SLURM_NTASKS', '1')
+    monkeypatch.delenv('SLURM_LOCALID', raising=False)
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+    check_launcher_env('slurm')
+    monkeypatch.delenv('SLURM_NTASKS')
+    with pytest.raises(MmdtrError, match='SLURM_NTASKS') as info:
+        check_launcher_env('slurm')
+    assert 'srun' in info.value.hint
+
+
 def test_launcher_variables_with_an_init_method(single_rank_env, monkeypatch):
     check_launcher_env('pytorch')
     check_launcher_env('none')

@@ -70,6 +70,19 @@ def test_registered_types_and_other_scopes_pass(keys, make_cfg):
     translate_memory_keys(make_cfg(**keys))
 
 
+def test_an_optimizer_of_another_scope_may_take_other_arguments(make_cfg):
+    # its own SGD, registered in its scope, was checked against torch's (a
+    # review)
+    translate_memory_keys(
+        make_cfg(
+            default_scope='myproj',
+            optimizer=dict(type='SGD', lr=0.1, grad_centralization=True)))
+    translate_memory_keys(
+        make_cfg(
+            optimizer=dict(
+                type='SGD', _scope_='myproj', lr=0.1, grad_centralization=1)))
+
+
 def test_a_custom_constructor_reads_the_optimizer_its_own_way(make_cfg):
     cfg = make_cfg(optimizer=dict(type='NotAnOptimizer', lr=0.1))
     cfg.optim_wrapper.constructor = 'mmdet.LayerDecayConstructor'

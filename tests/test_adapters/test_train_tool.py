@@ -165,6 +165,10 @@ def test_dotted_index_into_a_list_of_strings_raises(train_tool, toy_config,
         build(train_tool, str(config), '--cfg-options', 'names.0=b')
     # the reason was only "'str' object has no attribute 'copy'" (a review)
     assert 'give the whole list instead, e.g. names=[a,b]' in info.value.hint
+    config.write_text(f"_base_ = ['{toy_config}']\nx = dict(names=['a'])\n")
+    with pytest.raises(MmdtrError, match='cannot be merged') as info:
+        build(train_tool, str(config), '--cfg-options', 'x.names.0=b')
+    assert 'e.g. x.names=[a,b]' in info.value.hint
 
 
 def test_args_are_applied(train_tool, toy_config, tmp_path):
@@ -294,3 +298,20 @@ def test_check_config_checks_and_starts_nothing(train_tool, toy_config,
     assert info.value.code == 1
     assert 'activation_checkpointing' in capsys.readouterr().err
     assert not work_dir.exists()
+
+
+def test_check_config_with_a_model_it_cannot_build(train_tool, toy_config,
+                                                   capsys):
+    # it said the module names were accepted, unchecked (a review); under a
+    # launcher a model may need the process group, so the ranks check them
+    options = [
+        '--cfg-options', 'model.type=NoSuchModel', 'activation_checkpointing=x'
+    ]
+    with pytest.raises(SystemExit):
+        train_tool.main([toy_config, '--check-config', *options])
+    assert 'the model could not be built' in capsys.readouterr().err
+    train_tool.main(
+        [toy_config, '--check-config', '--launcher', 'pytorch', *options])
+    out = capsys.readouterr().out
+    assert 'the module names are checked when training starts' in out
+    assert 'NoSuchModel' in out
