@@ -12,7 +12,7 @@ import torch
 from mmengine.optim import OptimWrapper
 
 from mmdtr.adapters.inplace_optim_wrapper import InplaceOptimWrapper
-from .test_inplace_optim_wrapper import TiedNet
+from .test_inplace_optim_wrapper import TiedNet, scaled_steps
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason='needs CUDA')
@@ -54,15 +54,7 @@ def test_float16_dynamic_scaling_matches_autocast_and_grad_scaler(init_scale):
     # scale backs off, as GradScaler's own
     ref, opt = _build()
     scaler = torch.amp.GradScaler('cuda', init_scale=init_scale)
-    for i in range(4):
-        with torch.autocast('cuda', dtype=torch.float16):
-            loss = ref(_tokens(i))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    scaled_steps(ref, opt, scaler, ('cuda', torch.float16), _tokens, 4)
     model, wrapper = _build(
         InplaceOptimWrapper,
         clip_grad=dict(max_norm=0.05),

@@ -300,19 +300,25 @@ def test_step_in_backward_refuses_accumulation_by_hand():
             wrapper.backward(loss)
 
 
+def scaled_steps(model, opt, scaler, autocast, inputs, iters, max_norm=0.05):
+    """The hand-written AMP loop: autocast (``(device_type, dtype)``),
+    scaled backward, unscale, norm clipping, step, update."""
+    for i in range(iters):
+        with torch.autocast(autocast[0], dtype=autocast[1]):
+            loss = model(inputs(i))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def test_amp_matches_autocast_and_grad_scaler():
     """AMP on CPU: bfloat16 autocast, dynamic scaling, norm clipping."""
     ref, ref_wrapper = build(OptimWrapper, 'adamw')
     opt, scaler = ref_wrapper.optimizer, torch.amp.GradScaler('cpu')
-    for i in range(3):
-        with torch.autocast('cpu', dtype=torch.bfloat16):
-            loss = ref(tokens(i))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    scaled_steps(ref, opt, scaler, ('cpu', torch.bfloat16), tokens, 3)
     model, wrapper = build(
         InplaceOptimWrapper,
         'adamw',

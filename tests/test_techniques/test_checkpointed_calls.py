@@ -226,11 +226,13 @@ class _ScaledScores(nn.Module):
         super().__init__()
         self.qkv = nn.Linear(8, 24)
 
+    def scores(self, q, k):
+        return (q @ k.transpose(-2, -1)).mul_(0.5)
+
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        scores = q @ k.transpose(-2, -1)
-        scores.mul_(0.5)
+        scores = self.scores(q, k)
         return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c)
 
 
@@ -278,19 +280,13 @@ def test_kept_output_returned_through_an_unsafe_alias_then_written():
         loss.backward()
 
 
-class _KeepsItsScores(nn.Module):
-    """Keeps its attention scores for the caller (``self.scores``): an
-    ``_unsafe_view`` alias of the kept bmm output, never returned."""
+class _KeepsItsScores(_ScaledScores):
+    """Keeps its attention scores, unscaled, for the caller (``self.kept``):
+    an ``_unsafe_view`` alias of the kept bmm output, never returned."""
 
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(8, 24)
-
-    def forward(self, x):
-        b, n, c = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        self.scores = q @ k.transpose(-2, -1)
-        return (self.scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c)
+    def scores(self, q, k):
+        self.kept = q @ k.transpose(-2, -1)
+        return self.kept
 
 
 @pytest.mark.needs_selective_checkpointing
@@ -302,7 +298,7 @@ def test_kept_output_written_through_an_alias_the_module_keeps():
     model = nn.Sequential(_KeepsItsScores())
     apply_activation_checkpointing(model, '0', 'save_matmuls')
     loss = model(_inputs(2, 4, 8)).square().sum()
-    model[0].scores.mul_(2)
+    model[0].kept.mul_(2)
     with pytest.raises(MmdtrError, match='after the module returned'):
         loss.backward()
 
@@ -315,7 +311,7 @@ def test_an_alias_the_module_keeps_and_nobody_writes_is_exact():
     for model in (plain, ckpt):
         model(_inputs(2, 4, 8)).square().sum().backward()
     _assert_same(plain, ckpt)
-    assert torch.equal(plain[0].scores, ckpt[0].scores)
+    assert torch.equal(plain[0].kept, ckpt[0].kept)
 
 
 class _HoldsAnUnusedLazyLayer(nn.Module):
