@@ -26,6 +26,7 @@ from mmdtr.benchmarking.arguments import parse_match
 from mmdtr.benchmarking.command_line import (DEFAULT_FRACTIONS, QUICK,
                                              check_args, max_batch, parse_args,
                                              quick_default)
+from mmdtr.benchmarking.largest_batch import probe_steps
 from mmdtr.benchmarking.launch import default_launcher
 from mmdtr.benchmarking.report import write_report
 from mmdtr.benchmarking.results import read_results
@@ -138,12 +139,19 @@ def run_command(command: str,
     largest = max_batch(args)
     headroom = parse_size(args.headroom, '--headroom')
     start_batch = args.start_batch or 1
+    # the probes' own batches and steps, not the config's (found by a review)
+    for key in ('batch_size', 'warmup', 'steps'):
+        settings.pop(key, None)
+    cuda = suite.cuda
     settings.update(
         capacity=capacity,
         max_batch=largest,
         start_batch=start_batch,
         policy=args.policy,
-        headroom=headroom)
+        headroom=headroom,
+        probe_steps=dict(
+            dtr=probe_steps(cuda, 'dtr'),
+            baseline=probe_steps(cuda, 'baseline')))
     result = suite.largest_batch(capacity, largest, args.policy, headroom,
                                  start_batch)
     return 'largest_batch', dict(settings=settings, result=result)
@@ -186,6 +194,8 @@ def main(argv=None) -> int:
                  'largest-batch') if args.command == 'all' else
                 (args.command, ))
     meta = machine_info(args.device)
+    if args.threads:  # each run's, not this process's (found by a review)
+        meta['torch_threads'] = args.threads
     if not (args.quick or args.no_prime):
         suite.prime()
     capacity = None

@@ -246,7 +246,9 @@ def check_args(args) -> None:
 #: command -> the options (dests) only it reads, of those ``all`` runs;
 #: ``--policy`` is read by sweep and largest-batch, not compare
 _ONLY_FOR = {
-    'sweep': ('fractions', 'thresholds'),
+    # --repeats too: compare ran each configuration once while its records
+    # read as pooled (found by a review)
+    'sweep': ('fractions', 'thresholds', 'repeats'),
     'compare': ('match', 'policies'),
     'largest-batch': ('capacity', 'max_batch', 'start_batch', 'headroom'),
     'sweep and largest-batch': ('policy', ),

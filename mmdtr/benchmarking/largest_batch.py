@@ -14,6 +14,25 @@ from .launch import Progress
 _NOT_FITTING = ('oom', 'killed')
 
 
+def probe_steps(cuda: bool, technique: str) -> dict:
+    """The warm-up and timed steps of one largest-batch probe.
+
+    On CUDA, one warm-up step and one timed step (the allocator's peak);
+    on CPU, one timed DTR step, or for the others only the engine-metered
+    step that every run adds.
+
+    Args:
+        cuda (bool): Whether the probes run on CUDA.
+        technique (str): ``'dtr'`` or another run's technique.
+
+    Returns:
+        dict: ``warmup`` and ``steps``.
+    """
+    if cuda:
+        return dict(warmup=1, steps=1)
+    return dict(warmup=0, steps=1 if technique == 'dtr' else 0)
+
+
 class _ProbeFailed(Exception):
 
     def __init__(self, record: dict):
@@ -99,15 +118,16 @@ class LargestBatchSearch:
         Returns:
             dict: The run's record (see :meth:`run`), with ``fits``.
         """
-        overrides = dict(batch_size=batch, profile=False)
+        overrides = dict(
+            batch_size=batch,
+            profile=False,
+            **probe_steps(self.cuda, technique))
         if technique == 'dtr':
             overrides.update(threshold=capacity - headroom, policy=policy)
         if self.cuda:
-            overrides.update(capacity=capacity, warmup=1, steps=1, meter=False)
-        elif technique == 'dtr':
-            overrides.update(warmup=0, steps=1)
-        else:
-            overrides.update(warmup=0, steps=0, meter=True)
+            overrides.update(capacity=capacity, meter=False)
+        elif technique != 'dtr':
+            overrides.update(meter=True)
         record = self.run(f'{technique}@batch{batch}',
                           self.spec(technique, **overrides), bar)
         peak = record['peak_engine']

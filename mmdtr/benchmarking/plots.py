@@ -26,8 +26,8 @@ def _ok(records: List[dict]) -> List[dict]:
     return [
         r for r in records
         if r.get('status') == 'ok' and r.get('median_step_s') is not None
-        and r.get('peak_engine') is not None
-    ]
+        and r.get('peak_engine') is not None and not r.get('lost_repeats')
+    ]  # as the table: a run that lost a round has no ratio there
 
 
 def _finite_dtr(records: List[dict]) -> List[dict]:

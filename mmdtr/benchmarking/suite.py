@@ -200,11 +200,17 @@ class BenchmarkSuite(LargestBatchSearch):
             return
         record['step_times_s'] = record['step_times_s'] + more['step_times_s']
         record['median_step_s'] = statistics.median(record['step_times_s'])
-        record['repeats'] = repeat
+        pooled = record['repeats']  # rounds pooled so far (a lost one is
+        # not: found by a review)
+        record['repeats'] = pooled + 1
+        # each pooled round's load average, to spot a slowed round
+        record['round_load_averages'] = record.get(
+            'round_load_averages',
+            [record.get('load_average')]) + [more.get('load_average')]
         # the per-step counts shown are the first round's: where another
         # round's differ, each round's are kept for the report
         # (dropped while every round so far agreed with the first)
-        rounds = record.get('round_counts') or [_counts(record)] * (repeat - 1)
+        rounds = record.get('round_counts') or [_counts(record)] * pooled
         record['round_counts'] = rounds + [_counts(more)]
         if all(r == rounds[0] for r in record['round_counts']):
             del record['round_counts']

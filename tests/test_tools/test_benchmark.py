@@ -295,6 +295,37 @@ def test_repeats_run_in_rounds_and_pool_the_steps(canned_launcher):
     baseline = records[0]
     assert baseline['step_times_s'] == [1.0, 8.0, 9.0]
     assert baseline['median_step_s'] == 8.0 and baseline['repeats'] == 3
+    assert len(baseline['round_load_averages']) == 3
+
+
+class _LosesRound2:
+    """A canned launcher whose runs of the second round fail."""
+
+    def __init__(self, canned):
+        self.canned = canned
+        self.calls = canned.calls
+
+    def run(self, spec, name='run'):
+        result = self.canned.run(spec, name)
+        if '(repeat 2)' in name:
+            result.update(status='error', error='lost')
+        return result
+
+
+def test_a_lost_round_is_not_counted_as_pooled(canned_launcher):
+    # repeats read 3 with two rounds pooled, and the kept counts were
+    # misaligned (found by a review)
+    suite = BenchmarkSuite(
+        _LosesRound2(canned_launcher(evictions=1.0)),
+        False,
+        3,
+        config=RESNET,
+        batch_size=2,
+        device='cpu')
+    baseline = suite.sweep(fractions=(0.5, ))[0]
+    assert baseline['repeats'] == 2 and baseline['lost_repeats'] == 1
+    assert len(baseline['step_times_s']) == 2
+    assert len(baseline['round_load_averages']) == 2
 
 
 def test_no_peak_says_what_happened(canned_launcher):
@@ -317,3 +348,27 @@ def test_a_run_done_in_the_grace_period_keeps_its_result(tmp_path):
     result = launcher.run(spec)
     assert result['status'] == 'error', result  # was 'killed', exit code 0
     assert 'missing.py' in result['error']
+
+
+@pytest.mark.parametrize('device', ['cpu', 'cuda'])
+def test_largest_batch_settings_are_the_probes(tool, monkeypatch, device):
+    # they showed the config's batch, warm-up and steps, which no probe
+    # used (found by a review)
+    args = tool.parse_args([RESNET, 'largest-batch', '--capacity', '1GB'])
+    suite = BenchmarkSuite(
+        Launcher('subprocess', '.'), progress=False, device=device)
+    specs = {}
+    monkeypatch.setattr(suite, 'largest_batch', lambda *a: {})
+    monkeypatch.setattr(
+        suite, 'spec', lambda technique, **kw: specs.setdefault(technique, kw))
+    monkeypatch.setattr(
+        suite, 'run',
+        lambda name, spec, bar: dict(status='oom', peak_engine=None))
+    _, section = tool.run_command('largest-batch', args, suite)
+    settings = section['settings']
+    assert not {'batch_size', 'warmup', 'steps'} & set(settings)
+    for technique in ('baseline', 'dtr'):
+        suite.probe(technique, 4, 2**30, 'dtr', None)
+        probe = specs[technique]
+        assert settings['probe_steps'][technique] == dict(
+            warmup=probe['warmup'], steps=probe['steps'])

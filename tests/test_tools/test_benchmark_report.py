@@ -69,6 +69,27 @@ def test_markdown_marks_targets_from_the_slowdown():
     assert table.count('threshold not held: nothing evictable') == 2
 
 
+def test_a_later_round_that_did_not_hold_the_threshold_is_not_judged():
+    # its times were pooled, and only the first round's failures were read
+    # (found by a review)
+    run = _record('dtr@0.25', 'dtr', 1.3, threshold=25 * 2**20, fraction=0.25)
+    run['round_counts'] = [
+        dict(
+            peak_engine=1,
+            evictions=1.0,
+            recomputations=2.0,
+            eviction_failures=0.0),
+        dict(
+            peak_engine=1,
+            evictions=3.0,
+            recomputations=4.0,
+            eviction_failures=2.0)
+    ]
+    runs = [_record('baseline', 'baseline', 1.0), run]
+    table = markdown(dict(meta={}, sweep=dict(settings=TARGETED, runs=runs)))
+    assert '<= 1.35x: - (threshold not held)' in table
+
+
 def test_per_op_line_splits_the_floor_from_the_engine():
     runs = [
         _record('baseline', 'baseline', 1.0),
@@ -214,14 +235,20 @@ def test_sections_an_all_did_not_reach_are_dropped(tool, tmp_path,
     assert '## Alternatives' not in (work / 'benchmark.md').read_text()
 
 
-@pytest.mark.parametrize('argv, says', [
-    (['sweep', '--capacity', '1GB'], r'--capacity \(read by largest-batch\)'),
-    (['largest-batch', '--capacity', '1GB', '--fractions', '0.5'
-      ], r'--fractions \(read by sweep\) does not apply to largest-batch'),
-    (['compare', '--policy', 'lru'], '--policy .* does not apply to compare'),
-    (['sweep', '--match', '10MB', '--headroom', '1MB'
-      ], 'do not apply to sweep'),
-])
+@pytest.mark.parametrize(
+    'argv, says',
+    [
+        (['sweep', '--capacity', '1GB'
+          ], r'--capacity \(read by largest-batch\)'),
+        (['largest-batch', '--capacity', '1GB', '--fractions', '0.5'
+          ], r'--fractions \(read by sweep\) does not apply to largest-batch'),
+        (['compare', '--policy', 'lru'
+          ], '--policy .* does not apply to compare'),
+        (['sweep', '--match', '10MB', '--headroom', '1MB'
+          ], 'do not apply to sweep'),
+        # compare ran each configuration once (a review)
+        (['compare', '--repeats', '2'], r'--repeats \(read by sweep\)'),
+    ])
 def test_an_option_another_command_reads_is_refused(tool, argv, says):
     # it was ignored, and the settings line did not show it (an audit)
     args = tool.parse_args([RESNET] + argv)
@@ -271,3 +298,17 @@ def test_counts_that_vary_between_rounds_are_shown(canned_launcher):
     (baseline, *_) = suite.sweep(fractions=())
     assert [r['evictions'] for r in baseline['round_counts']] == \
         [first, first, 7]
+
+
+def test_plots_leave_out_a_run_the_table_gives_no_ratio():
+    # a run that lost a round was plotted while the table blanked it (a
+    # review)
+    from mmdtr.benchmarking.plots import _ok
+    runs = [
+        _record('baseline', 'baseline', 1.0),
+        dict(_record('dtr@0.5', 'dtr', 1.2, 50 * 2**20, 0.5), lost_repeats=1)
+    ]
+    assert [r['name'] for r in _ok(runs)] == ['baseline']
+    table = markdown(dict(meta={}, sweep=dict(settings=TARGETED, runs=runs)))
+    row = next(line for line in table.splitlines() if 'dtr@0.5' in line)
+    assert '1.20x' not in row
