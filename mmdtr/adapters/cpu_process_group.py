@@ -155,11 +155,11 @@ def _env_int(name: str, launcher: str) -> int:
 
 
 def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
-    """Check, before the runner makes its work dir, that the variables a
-    launcher's processes get are set (a run of ``tools/train.py
-    --launcher pytorch`` outside torchrun made the work dir, then failed;
-    found by a review). Another ``init_method`` than ``env://`` needs no
-    address.
+    """Check that the variables a launcher's processes get are set:
+    ``tools/train.py`` calls it before the runner makes its work dir (a run
+    of ``--launcher pytorch`` outside torchrun made the work dir, then
+    failed; found by a review), and :func:`init_cpu_dist` before it reads
+    them. Another ``init_method`` than ``env://`` needs no address.
 
     Args:
         launcher (str): ``'pytorch'``, ``'slurm'`` or ``'mpi'``; others
@@ -217,24 +217,21 @@ def init_cpu_dist(launcher: str,
             f'launcher={launcher!r} is not supported; accepted: '
             f'{tuple(_LAUNCHER_ENV)}.',
             hint='use tools/dist_train.sh, which passes --launcher pytorch.')
+    # torchrun sets MASTER_ADDR and MASTER_PORT; env:// raised a raw
+    # ValueError without them
+    check_launcher_env(launcher, kwargs)
     rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
-    rank, world_size = _env_int(rank_var,
-                                launcher), _env_int(size_var, launcher)
+    rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
     if launcher == 'slurm':
         if port is not None:
             os.environ['MASTER_PORT'] = str(port)
         os.environ.setdefault('MASTER_PORT', '29500')
         if 'MASTER_ADDR' not in os.environ:
-            nodes = _env('SLURM_NODELIST', launcher)
+            nodes = os.environ['SLURM_NODELIST']
             os.environ['MASTER_ADDR'] = subprocess.getoutput(
                 f'scontrol show hostname {nodes} | head -n1')
     elif launcher == 'mpi':
         os.environ.setdefault('MASTER_PORT', '29500')
-        _env('MASTER_ADDR', launcher)
-    elif kwargs.get('init_method', 'env://') == 'env://':
-        # torchrun sets both; env:// raised a raw ValueError without
-        _env('MASTER_ADDR', launcher)
-        _env_int('MASTER_PORT', launcher)
     os.environ['RANK'] = str(rank)
     os.environ['WORLD_SIZE'] = str(world_size)
     os.environ['LOCAL_RANK'] = os.environ.get(local_var, '0')

@@ -93,6 +93,14 @@ def _is_inplace(wrapper_type) -> bool:
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
 
 
+def _other_scope(name: str, scope) -> bool:
+    """Whether the type ``name`` (``'mmdet.X'``, or a plain name under
+    ``scope``) is of a scope other than mmdtr's or MMEngine's: its registry
+    may not be imported yet, so it is left to MMEngine."""
+    return (name.rpartition('.')[0]
+            or scope) not in (None, 'mmdtr', 'mmengine')
+
+
 def refuse_unregistered(where: str, name, registry, default_scope) -> None:
     """Refuse a type name of mmdtr's or MMEngine's scope (or of none) that
     neither registers: MMEngine's builder failed on it in ``runner.train()``
@@ -111,13 +119,12 @@ def refuse_unregistered(where: str, name, registry, default_scope) -> None:
     Raises:
         MmdtrError: On such a name, with the closest registered one.
     """
-    if not isinstance(name, str) or registry.get(name) is not None:
-        return
-    scope, _, short = name.rpartition('.')
-    if (scope or default_scope) not in (None, 'mmdtr', 'mmengine'):
+    if not isinstance(name, str) or registry.get(name) is not None \
+            or _other_scope(name, default_scope):
         return
     known = sorted({*registry.module_dict, *registry.parent.module_dict})
-    close = difflib.get_close_matches(short, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(
+        name.rpartition('.')[2], known, n=1, cutoff=0.6)
     raise MmdtrError(
         f'{where}={name!r} is not registered.',
         hint=(f'closest match: {close[0]!r}; ' if close else '') +
@@ -229,16 +236,14 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
         scope = optimizer.get('_scope_', None) or default_scope
         refuse_unregistered('optim_wrapper.optimizer.type', optimizer_type,
                             OPTIMIZERS, scope)
-        if isinstance(optimizer_type,
-                      str) and (optimizer_type.rpartition('.')[0]
-                                or scope) not in (None, 'mmdtr', 'mmengine'):
-            return  # another scope may register its own class by that name
-            # (found by a review)
-        cls = optimizer_type if inspect.isclass(optimizer_type) else \
-            OPTIMIZERS.get(optimizer_type) if isinstance(
-                optimizer_type, str) else None
-        if cls is not None:
-            _check_optimizer_arguments(optimizer, cls)
+        if inspect.isclass(optimizer_type):
+            _check_optimizer_arguments(optimizer, optimizer_type)
+        elif isinstance(optimizer_type,
+                        str) and not _other_scope(optimizer_type, scope):
+            # (another scope may register its own class by that name:
+            # found by a review)
+            _check_optimizer_arguments(optimizer,
+                                       OPTIMIZERS.get(optimizer_type))
 
 
 def _check_optimizer_arguments(optimizer: dict, cls) -> None:
@@ -275,10 +280,11 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
     cls = wrapper_type if isinstance(wrapper_type, type) else \
         OPTIM_WRAPPERS.get(wrapper_type)
     if cls is None:
-        scope, _, name = str(wrapper_type).rpartition('.')
-        scope = scope or wrapper.get('_scope_', None) or default_scope
-        if scope not in (None, 'mmdtr', 'mmengine'):
+        if _other_scope(
+                str(wrapper_type),
+                wrapper.get('_scope_', None) or default_scope):
             return
+        name = str(wrapper_type).rpartition('.')[2]
         known = sorted(
             {*OPTIM_WRAPPERS.module_dict, *OPTIM_WRAPPERS.parent.module_dict})
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)

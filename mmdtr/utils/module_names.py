@@ -38,6 +38,10 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
     built here for another reason is left to the runner, which says why,
     unless ``strict``; the reason is returned.
 
+    When both keys are set, the two hooks are also applied to that model,
+    as the runner applies them, so that a module checkpointed inside one
+    ``efficient_conv_bn_eval`` replaces by a torch.fx trace is refused here.
+
     Args:
         cfg (Config): A config translated by
             :func:`~mmdtr.adapters.config_translation.translate_memory_keys`.
@@ -50,10 +54,6 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
     Returns:
         str | None: Why the names were not checked (the model could not
         be built here, not ``strict``), or None.
-
-    When both keys are set, the two hooks are also applied to that model,
-    as the runner applies them, so that a module checkpointed inside one
-    ``efficient_conv_bn_eval`` replaces by a torch.fx trace is refused here.
 
     Raises:
         MmdtrError: If a selecting hook names no module of the model
