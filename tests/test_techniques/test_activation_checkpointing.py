@@ -339,23 +339,6 @@ def test_nested_selection_wraps_outermost_only():
     assert not is_checkpointed(model.layer2[0][1])
 
 
-@pytest.fixture
-def dynamo_compiles():
-    """Skips where dynamo compiles nothing in this process: before PyTorch
-    2.11, a thread that ended inside a dispatch mode turns it off for the
-    whole process (PyTorch's own: a bare ``TorchDispatchMode`` does it on
-    2.6, 2.8 and 2.10), and earlier tests end threads inside DTR on
-    purpose. Run alone, these tests compile there."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    torch.compile(lambda x: x + 1, backend='eager')(torch.zeros(1))
-    if not counters['frames']['ok']:
-        pytest.skip(f'dynamo of PyTorch {torch.__version__} is off in this '
-                    'process (as after a thread ended inside a dispatch mode)')
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize('policy', [
     None,
     pytest.param(
