@@ -5,16 +5,20 @@ on a CPU-only machine. This module holds what mmdtr's runner
 (:mod:`mmdtr.adapters.runner`) uses instead when no accelerator is
 available: :func:`check_cpu_dist_cfg` and :func:`dist_cfg_of` check
 ``env_cfg.dist_cfg``, :func:`init_cpu_dist` starts the default process group
-without touching CUDA, and :func:`close_dist` destroys it when training ends.
+without touching CUDA, and :func:`close_dist` destroys it when training ends
+(:func:`close_at_exit`: when the process exits, for a script that does not).
 With CUDA, MMEngine's own path (nccl) is kept. The CPU DDP wrappers are in
 :mod:`mmdtr.adapters.distributed`.
 """
+import atexit
+import contextlib
 import datetime
 import difflib
 import gc
 import inspect
 import os
 import subprocess
+import sys
 from typing import Optional
 
 import torch.distributed as torch_dist
@@ -263,3 +267,43 @@ def close_dist(wait: bool = True) -> None:
         if wait:
             torch_dist.barrier()
         torch_dist.destroy_process_group()
+
+
+#: [whether close_at_exit registered its handler, whether a run failed]
+_AT_EXIT = [False, False]
+
+
+def close_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits.
+
+    For the group :class:`~mmdtr.adapters.runner.MMDTRRunner` starts on
+    CPU: a downstream repo's ``tools/train.py`` calls ``runner.train()``
+    and exits with the group alive, which can abort the process at exit
+    (see :func:`close_dist`; found by a review, about one run in 40 with 2
+    ranks under mmpretrain's ``dist_train.sh``). The handler waits for the
+    other ranks first, unless a run noted by :func:`noting_failure` raised
+    or the interpreter is exiting on an uncaught exception: then the others
+    may never get there. Registered once per process.
+    """
+    if not _AT_EXIT[0]:
+        _AT_EXIT[0] = True
+        atexit.register(_close_at_exit)
+
+
+@contextlib.contextmanager
+def noting_failure():
+    """Note for :func:`close_at_exit` a run that raised (it does not wait
+    for the other ranks then)."""
+    try:
+        yield
+    except BaseException:
+        _AT_EXIT[1] = True
+        raise
+
+
+def _close_at_exit() -> None:
+    failed = _AT_EXIT[1] or getattr(sys, 'last_value', None) is not None
+    try:
+        close_dist(wait=not failed)
+    except Exception:  # noqa: B902 - the barrier: another rank is gone
+        close_dist(wait=False)

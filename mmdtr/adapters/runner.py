@@ -6,7 +6,8 @@ It adds three things to :class:`mmengine.runner.Runner`:
   (:func:`~mmdtr.adapters.config_translation.translate_memory_keys`), so a
   downstream repo's own ``tools/train.py`` honours the same keys as mmdtr's;
 - distributed training on a CPU-only machine: the process group is
-  initialised with gloo and the model is wrapped by
+  initialised with gloo (and destroyed when the process exits) and the
+  model is wrapped by
   :class:`~mmdtr.adapters.distributed.MMDTRDistributedDataParallel`
   (with CUDA, MMEngine's nccl and ``MMDistributedDataParallel`` are kept);
 - checkpoints load with ``torch.load(weights_only=True)`` (see
@@ -33,7 +34,8 @@ from torch import nn
 from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
-from .cpu_process_group import dist_cfg_of, init_cpu_dist
+from .cpu_process_group import (close_at_exit, dist_cfg_of, init_cpu_dist,
+                                noting_failure)
 from .runner_config_checks import check_amp_available
 
 
@@ -107,7 +109,25 @@ class MMDTRRunner(Runner):
         if (self.distributed and not is_distributed()
                 and get_device() == 'cpu'):
             init_cpu_dist(self.launcher, **dist_cfg_of(env_cfg))
+            close_at_exit()  # a downstream script does not close it
         super().setup_env(env_cfg)
+
+    def train(self) -> nn.Module:
+        """Train as MMEngine's Runner does; a failure is noted so that the
+        process group this runner started on CPU is closed at exit without
+        waiting for the other ranks (:func:`close_at_exit`)."""
+        with noting_failure():
+            return super().train()
+
+    def val(self) -> dict:
+        """Validate as MMEngine's Runner does; see :meth:`train`."""
+        with noting_failure():
+            return super().val()
+
+    def test(self) -> dict:
+        """Test as MMEngine's Runner does; see :meth:`train`."""
+        with noting_failure():
+            return super().test()
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict],
                    model: nn.Module) -> nn.Module:
