@@ -19,6 +19,7 @@ import inspect
 import os
 import subprocess
 import sys
+import traceback
 from typing import Optional
 
 import torch.distributed as torch_dist
@@ -243,7 +244,8 @@ def init_cpu_dist(launcher: str,
         backend=backend, rank=rank, world_size=world_size, **kwargs)
 
 
-def close_dist(wait: bool = True) -> None:
+def close_dist(wait: bool = True,
+               wait_at_most: Optional[float] = None) -> None:
     """Destroy the default process group, after every rank got here.
 
     ``tools/train.py`` calls it when training ends. A process that exits
@@ -257,6 +259,13 @@ def close_dist(wait: bool = True) -> None:
             this rank failed: the others may never get here, and they fail
             fast on the closed connection instead of waiting out the
             collective timeout. Defaults to True.
+        wait_at_most (float, optional): Wait this many seconds at most
+            (gloo's ``monitored_barrier``; other backends wait as long as
+            their collective timeout). Defaults to None: as long as that.
+
+    Raises:
+        RuntimeError: If the barrier failed or ran out of time (a rank is
+            gone); the group is destroyed all the same.
     """
     if torch_dist.is_available() and torch_dist.is_initialized():
         # DDP wrappers nothing refers to any more go first, while the group
@@ -264,13 +273,23 @@ def close_dist(wait: bool = True) -> None:
         # destroys the gloo group from a finalizer that holds the GIL while
         # gloo's thread may wait for it (a deadlock seen in torch 2.13)
         gc.collect()
-        if wait:
-            torch_dist.barrier()
-        torch_dist.destroy_process_group()
+        try:
+            if wait and wait_at_most is not None and \
+                    torch_dist.get_backend() == 'gloo':
+                torch_dist.monitored_barrier(
+                    timeout=datetime.timedelta(seconds=wait_at_most))
+            elif wait:
+                torch_dist.barrier()
+        finally:
+            torch_dist.destroy_process_group()
 
 
-#: [whether close_at_exit registered its handler, whether a run failed]
-_AT_EXIT = [False, False]
+#: Seconds the exit of a rank whose run succeeded waits for the others.
+EXIT_WAIT_S = 60.0
+
+#: [whether close_at_exit registered its handler, how the latest run of an
+#: MMDTRRunner ended: None (none ended), True (returned), False (raised)]
+_AT_EXIT = [False, None]
 
 
 def close_at_exit() -> None:
@@ -281,9 +300,15 @@ def close_at_exit() -> None:
     and exits with the group alive, which can abort the process at exit
     (see :func:`close_dist`; found by a review, about one run in 40 with 2
     ranks under mmpretrain's ``dist_train.sh``). The handler waits for the
-    other ranks first, unless a run noted by :func:`noting_failure` raised
-    or the interpreter is exiting on an uncaught exception: then the others
-    may never get there. Registered once per process.
+    other ranks (:data:`EXIT_WAIT_S` at most) only if the latest run noted
+    by :func:`noting_outcome` returned and the interpreter is not exiting
+    on an uncaught exception: a rank that failed anywhere else leaves at
+    once, while the others may be waiting in a collective of their run.
+    The frames of that exception's traceback are cleared first: a runner
+    they hold keeps its DDP wrapper, which keeps the group's threads alive
+    into the interpreter's shutdown. A runner kept in a module global does
+    the same (delete it, or keep it in a function, as OpenMMLab's
+    ``tools/train.py`` scripts do). Registered once per process.
     """
     if not _AT_EXIT[0]:
         _AT_EXIT[0] = True
@@ -291,19 +316,23 @@ def close_at_exit() -> None:
 
 
 @contextlib.contextmanager
-def noting_failure():
-    """Note for :func:`close_at_exit` a run that raised (it does not wait
-    for the other ranks then)."""
+def noting_outcome():
+    """Note for :func:`close_at_exit` whether a run returned or raised."""
+    _AT_EXIT[1] = None
     try:
         yield
     except BaseException:
-        _AT_EXIT[1] = True
+        _AT_EXIT[1] = False
         raise
+    _AT_EXIT[1] = True
 
 
 def _close_at_exit() -> None:
-    failed = _AT_EXIT[1] or getattr(sys, 'last_value', None) is not None
+    tb = getattr(sys, 'last_traceback', None)
+    if tb is not None:  # an uncaught exception's frames hold their locals
+        traceback.clear_frames(tb)
+    wait = _AT_EXIT[1] is True and getattr(sys, 'last_value', None) is None
     try:
-        close_dist(wait=not failed)
-    except Exception:  # noqa: B902 - the barrier: another rank is gone
-        close_dist(wait=False)
+        close_dist(wait=wait, wait_at_most=EXIT_WAIT_S)
+    except Exception:  # noqa: B902 - another rank is gone: destroyed
+        pass

@@ -35,7 +35,7 @@ from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
 from .cpu_process_group import (close_at_exit, dist_cfg_of, init_cpu_dist,
-                                noting_failure)
+                                noting_outcome)
 from .runner_config_checks import check_amp_available
 
 
@@ -113,20 +113,21 @@ class MMDTRRunner(Runner):
         super().setup_env(env_cfg)
 
     def train(self) -> nn.Module:
-        """Train as MMEngine's Runner does; a failure is noted so that the
-        process group this runner started on CPU is closed at exit without
-        waiting for the other ranks (:func:`close_at_exit`)."""
-        with noting_failure():
+        """Train as MMEngine's Runner does; how it ended is noted: the
+        process group this runner started on CPU is closed at exit, waiting
+        for the other ranks only after a run that returned
+        (:func:`~mmdtr.adapters.cpu_process_group.close_at_exit`)."""
+        with noting_outcome():
             return super().train()
 
     def val(self) -> dict:
         """Validate as MMEngine's Runner does; see :meth:`train`."""
-        with noting_failure():
+        with noting_outcome():
             return super().val()
 
     def test(self) -> dict:
         """Test as MMEngine's Runner does; see :meth:`train`."""
-        with noting_failure():
+        with noting_outcome():
             return super().test()
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict],
