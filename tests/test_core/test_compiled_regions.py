@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.dtr import DTR
@@ -63,3 +64,29 @@ def test_compiled_function_as_under_an_empty_mode(threshold, compiled_before,
         # generator state replayed: a fresh draw fails this test)
         assert engine.stats.evictions > 0
         assert engine.stats.recomputations > 0
+
+
+def test_compiled_code_runs_in_scope_only_before_pytorch_2_5(dynamo_compiles):
+    # what dtr.md says: from 2.5 on, dynamo runs no compiled code under a
+    # dispatch mode (its frames are skipped), whether compiled before the
+    # scope or first called in it; 2.4 runs both
+    graphs_run = []
+
+    def counting_backend(gm, example_inputs):
+
+        def run(*args):
+            graphs_run.append(gm)
+            return gm(*args)
+
+        return run
+
+    x = torch.randn(4)
+    before = torch.compile(lambda t: t.sin() * 2, backend=counting_backend)
+    before(x)
+    assert len(graphs_run) == 1
+    with DTR(eviction_threshold=2**40):
+        before(x)
+        torch.compile(lambda t: t.cos() * 2, backend=counting_backend)(x)
+    in_scope = len(graphs_run) - 1
+    old = TorchVersion(torch.__version__) < (2, 5)
+    assert in_scope == (2 if old else 0)
