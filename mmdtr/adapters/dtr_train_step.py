@@ -19,13 +19,15 @@ any model, and
 it per rank; see docs/dtr_training.md.
 """
 import difflib
+import logging
 from typing import Callable, Optional
 
 import torch
-from mmengine.logging import MessageHub
+from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
+from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
 
@@ -151,6 +153,8 @@ class DTRTrainStep:
         self.message_hub = message_hub
         #: DTRStats of the latest iteration that ended without an error
         self.stats: Optional[DTRStats] = None
+        #: whether a threshold not held was logged (once per run)
+        self.warned = False
         #: False once detached (DTRHook.after_train): a reference left
         #: behind (a hook that saved the wrapped train_step and put it back)
         #: then runs train_step as it is, with no engine and no statistics
@@ -185,6 +189,10 @@ class DTRTrainStep:
                                                 optim_wrapper)
         self.stats = engine.stats
         self._publish(self.stats)
+        if self.stats.eviction_failures and not self.warned and \
+                self.stats.threshold is not None:
+            self.warned = True
+            print_log(_not_held(self.stats), 'current', logging.WARNING)
         return result
 
     @staticmethod
@@ -221,6 +229,18 @@ class DTRTrainStep:
             # not resumed: an iteration's figures are no training state,
             # and a run resumed without DTR would log the checkpoint's
             hub.update_scalar(name, get(stats), resumed=False)
+
+
+def _not_held(stats: DTRStats) -> str:
+    peak = format_size(stats.peak_memory)
+    return (f'mmdtr: dtr.eviction_threshold ({format_size(stats.threshold)}) '
+            'was not held in this iteration: memory in use rose to '
+            f'{peak} with nothing evictable left ({stats.eviction_failures} '
+            'eviction failures). Below what must stay resident (gradients, '
+            'tensors held from Python, the op running) rebuilds grow fast '
+            f"and the step slows: raise it to '{peak}' or more "
+            '(train/dtr_eviction_failures counts each iteration; this is '
+            'logged once).')
 
 
 __all__ = [

@@ -281,3 +281,27 @@ def test_stock_runner_refuses_dtr_hook_with_compile(tmp_path, make_cfg):
         runner.train()
     assert 'train_step' not in vars(runner.model)
     assert_thread_clean()
+
+
+@pytest.mark.parametrize('threshold', ['1KB', '1TB'])
+def test_a_threshold_not_held_is_logged_once(tmp_path, make_cfg, threshold):
+    # below what must stay resident the step slows and the only sign was a
+    # scalar in the log line (found by a review over frozen backbones)
+    runner = MMDTRRunner.from_cfg(
+        make_cfg(
+            tmp_path,
+            dtr=dict(DTR_CFG, eviction_threshold=threshold),
+            log_level='INFO'))
+    runner.train()
+    failures = runner.message_hub.get_scalar(
+        'train/dtr_eviction_failures').data[0]
+    with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
+        text = f.read()
+    warned = text.count('was not held in this iteration')
+    if threshold == '1KB':
+        assert all(n > 0 for n in failures) and len(failures) == 3
+        assert warned == 1
+        assert 'mmdtr: dtr.eviction_threshold (1.00 KiB)' in text
+    else:
+        assert not any(failures)
+        assert warned == 0
