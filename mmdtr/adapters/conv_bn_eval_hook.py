@@ -13,6 +13,7 @@ from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.model.efficient_conv_bn_eval import \
     efficient_conv_bn_eval_control
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from mmdtr.registry import HOOKS
 from mmdtr.techniques.conv_bn_fusability import fusable_bn, fusable_conv
@@ -101,6 +102,7 @@ class EfficientConvBnEvalHook(Hook):
     def __init__(self, modules: Union[str, Sequence[str]]):
         self.modules = as_name_list(modules, KEY)
         self.results = None
+        self._modes_checked = True  # until before_train
 
     def _apply(self, runner) -> None:
         if self.results is not None:
@@ -135,6 +137,30 @@ class EfficientConvBnEvalHook(Hook):
     def before_train(self, runner) -> None:
         """Apply to the model before the first training iteration."""
         self._apply(runner)
+        self._modes_checked = False
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+        """At the first iteration (the train loop has set the modes): log a
+        selected module whose BatchNorms all train, where the fused form
+        never runs, so training saves nothing (found by a review: mmseg
+        trains its norms, and the log said only how many pairs were
+        fused)."""
+        if self._modes_checked:
+            return
+        self._modes_checked = True
+        model = _unwrapped(runner.model)
+        for result in self.results or ():
+            norms = [
+                m for m in model.get_submodule(result.name).modules()
+                if isinstance(m, _BatchNorm)
+            ]
+            if result.enabled and norms and all(m.training for m in norms):
+                runner.logger.warning(
+                    f'{KEY}: every BatchNorm in {result.name!r} is in '
+                    'training mode at the first training iteration; the '
+                    'fused form runs only where one is in eval mode '
+                    '(norm_eval=True, frozen stages, validation and '
+                    'testing), so it saves no memory in training here.')
 
     def before_val(self, runner) -> None:
         """Apply before validation when the run does not train."""

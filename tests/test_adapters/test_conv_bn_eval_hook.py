@@ -220,3 +220,18 @@ def test_stock_runner_refuses_the_hook_next_to_mmengines_key(
             dict(type='mmdtr.EfficientConvBnEvalHook', modules=['backbone'])
         ])
     _assert_refused_unchanged(Runner.from_cfg(cfg), 'configured twice')
+
+
+@pytest.mark.parametrize('norm_eval', [True, False])
+def test_training_norms_are_logged(make_cfg, tmp_path, norm_eval):
+    # the fused form runs in eval mode only: with every norm training, the
+    # log said how many pairs were fused and nothing else (a review)
+    cfg = make_cfg(tmp_path, efficient_conv_bn_eval=['backbone'])
+    cfg.model = dict(type='ConvBnHookToyNet', norm_eval=norm_eval)
+    runner = Runner.from_cfg(translate_memory_keys(cfg))
+    runner.train()
+    (log, ) = glob.glob(osp.join(runner.log_dir, '*.log'))
+    with open(log) as f:
+        text = f.read()
+    warned = text.count("every BatchNorm in 'backbone' is in training mode")
+    assert warned == (0 if norm_eval else 1)
