@@ -22,8 +22,8 @@ Tensor = torch.Tensor
 def oom_eviction_needs_cuda(threshold, where: str) -> MmdtrError:
     """The error for no threshold (evict on allocation failure) off CUDA."""
     return MmdtrError(
-        f'eviction_threshold={threshold!r} on {where}: evicting on '
-        'allocation failure needs CUDA.',
+        f'eviction_threshold={threshold!r} on {where}: no threshold (None '
+        'or 0) means evicting on allocation failure, which needs CUDA.',
         "On CPU give a threshold, e.g. '2GB'.")
 
 

@@ -79,12 +79,16 @@ def test_translate_rejects(value, text):
 
 
 @cpu_only
-@pytest.mark.parametrize('value', [dict(), dict(eviction_threshold=None)])
+@pytest.mark.parametrize(
+    'value',
+    [dict(), dict(eviction_threshold=None),
+     dict(eviction_threshold=0)])
 def test_cpu_needs_a_threshold(value):
+    # 0 is read as no threshold; the message says so (a user typed 0)
     with pytest.raises(
             MmdtrError,
-            match='evicting on allocation failure '
-            'needs CUDA.*Hint: On CPU give a threshold'):
+            match=r'no threshold \(None or 0\) means evicting on allocation '
+            'failure, which needs CUDA.*Hint: On CPU give a threshold'):
         translate_dtr(value)
     with pytest.raises(MmdtrError, match='needs CUDA'):
         DTRHook(**value)
