@@ -32,6 +32,7 @@ from torch import distributed as torch_dist
 from torch import nn
 
 from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
+from mmdtr.utils.module_names import CHECKED_ATTR, check_module_names
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
 from .cpu_process_group import (close_at_exit, dist_cfg_of, init_cpu_dist,
@@ -80,13 +81,23 @@ class MMDTRRunner(Runner):
             MMDTRRunner: The runner.
 
         Raises:
-            MmdtrError: If a memory key has a bad value, or AMP is asked for
-                on a CPU-only machine.
+            MmdtrError: If a memory key has a bad value, AMP is asked for
+                on a CPU-only machine, or, without a launcher, a module
+                name selects nothing or the two selecting keys cannot
+                apply together (checked on a model built for it, before
+                the work dir is made).
         """
+        checked = getattr(cfg, CHECKED_ATTR, False)  # by tools/train.py
         if not isinstance(cfg, Config):
             cfg = Config(dict(cfg))
         cfg = translate_memory_keys(cfg)
         check_amp_available(cfg.get('optim_wrapper'))
+        if not checked and cfg.get('launcher', 'none') == 'none':
+            # before the work dir is made and before any hook changes the
+            # model, as tools/train.py does: a downstream script's bad name
+            # or conflict came after both (found by a review); under a
+            # launcher each rank checks in before_run
+            check_module_names(cfg)
         return super().from_cfg(cfg)
 
     def dump_config(self) -> None:

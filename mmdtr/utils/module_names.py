@@ -3,8 +3,10 @@
 The hooks that select modules by name (``activation_checkpointing``,
 ``efficient_conv_bn_eval``) check the names against the model in
 ``before_run``, once the runner has made its work dir and, under
-``tools/dist_train.sh``, once in every rank. ``tools/train.py`` and
-``tools/demo.py`` run the same checks here first, on a model built for it.
+``tools/dist_train.sh``, once in every rank. ``tools/train.py``,
+``tools/demo.py`` and, without a launcher,
+:meth:`~mmdtr.adapters.runner.MMDTRRunner.from_cfg` run the same checks
+here first, on a model built for it.
 """
 import copy
 import logging
@@ -21,6 +23,8 @@ from mmdtr.registry import HOOKS
 
 #: the memory keys whose hooks select modules by name
 SELECTING_KEYS = ('activation_checkpointing', 'efficient_conv_bn_eval')
+#: set on a config whose names :func:`check_module_names` checked
+CHECKED_ATTR = '_mmdtr_module_names_checked'
 
 _SILENT = logging.getLogger('mmdtr.module_names')  # the runner logs it all
 _SILENT.addHandler(logging.NullHandler())
@@ -103,4 +107,5 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
         # work dir was made and the model changed (found by a review)
         for hook in sorted(selecting, key=lambda h: get_priority(h.priority)):
             hook.before_train(runner)
+    object.__setattr__(cfg, CHECKED_ATTR, True)  # not a config key
     return None

@@ -3,8 +3,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from mmengine.hooks import Hook
-from mmengine.registry import HOOKS
+from mmengine.model import BaseModel
+from mmengine.registry import HOOKS, MODELS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import DefaultScope
 
@@ -150,3 +153,51 @@ def test_plain_optim_wrapper_passes():
     check_amp_available(dict(type='OptimWrapper', optimizer=dict(type='SGD')))
     check_amp_available(dict(optimizer=dict(type='SGD')))
     check_amp_available(None)
+
+
+@MODELS.register_module(force=True)
+class _FrozenConvBNToy(BaseModel):
+    """A Conv-BN pair with a frozen norm, which efficient_conv_bn_eval
+    traces into ``backbone``."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.backbone[1].eval()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        logits = self.head(self.backbone(inputs).mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, labels))
+        return logits
+
+
+@pytest.mark.parametrize('keys, match', [
+    (dict(activation_checkpointing=['backbone.7']), 'closest'),
+    (dict(
+        efficient_conv_bn_eval=['backbone'],
+        activation_checkpointing=['backbone.1']), 'torch.fx trace'),
+])
+def test_module_names_are_checked_before_the_work_dir(tmp_path, toy_runner_cfg,
+                                                      keys, match):
+    # a downstream tools/train.py builds the runner from the config: a bad
+    # name was refused in before_run, after the work dir was made, and a
+    # module checkpointed inside a fused trace in before_train, after the
+    # fusion changed the model (found by a review); as tools/train.py
+    # does, the names are checked on a model built for it first
+    work_dir = tmp_path / 'work'
+    cfg = toy_runner_cfg(
+        work_dir,
+        '_FrozenConvBNToy',
+        dict(type='SeededToyImages', size=8),
+        'names',
+        runner_type='MMDTRRunner',
+        **keys)
+    with pytest.raises(MmdtrError, match=match):
+        MMENGINE_RUNNERS.build(cfg)
+    assert not work_dir.exists()
+    cfg.launcher = 'pytorch'  # each rank checks in before_run instead
+    with pytest.raises(MmdtrError, match='RANK'):  # the launcher's check
+        MMENGINE_RUNNERS.build(cfg)
