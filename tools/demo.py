@@ -25,6 +25,7 @@ from mmdtr.adapters.runner import MMDTRRunner  # noqa: E402
 from mmdtr.core.sizes import format_size  # noqa: E402
 from mmdtr.errors import MmdtrError  # noqa: E402
 from mmdtr.utils import cfg_options  # noqa: E402
+from mmdtr.utils.module_names import CHECKED_ATTR  # noqa: E402
 from mmdtr.utils.module_names import check_module_names  # noqa: E402
 from mmdtr.utils.profiler_memory import memory_deltas  # noqa: E402
 
@@ -85,6 +86,8 @@ def train(cfg, with_features, work_dir):
     cfg = cfg.copy() if with_features else _without_features(cfg)
     cfg.work_dir = work_dir
     cfg = translate_memory_keys(cfg)
+    if with_features:  # build_cfg checked its module names: not again
+        object.__setattr__(cfg, CHECKED_ATTR, True)
     probe = _PeakProbe()
     runner = MMDTRRunner.from_cfg(cfg)
     runner.register_hook(probe, priority='LOWEST')
