@@ -167,7 +167,7 @@ class Replayer:
         generator that asks for its inputs (``yield``) and this loop keeps
         them on a stack of its own, so no chain is too long for Python's
         stack or a thread's C stack (a recursion overflowed them at 4000
-        ops, and a 512 KiB C stack at 600, R6).
+        ops, and a 256 KiB C stack at 600, R6).
         """
         storage, stale = self._at_hand(rec, version, stale)
         if storage is not None:
@@ -193,7 +193,7 @@ class Replayer:
                     stack[-1][1].append(done.value)
                     continue
                 except BaseException as e:  # raised by the steps: they are
-                    stack.pop()  # done; to the rebuild that asked (R12)
+                    stack.pop()  # done; to the rebuild that asked (R6)
                     if not stack:
                         raise
                     error = e
