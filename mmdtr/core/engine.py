@@ -125,8 +125,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         # the limit in force: raised above an unreachable threshold
         self.limit = threshold
         self.remat_seconds = 0.0
-        # (record, version) -> storage rebuilt during the outermost
-        # rebuild in progress, for its other reads; None outside one (R4)
+        # (record, version) -> [storage, reads left]: what the outermost
+        # rebuild in progress rebuilt that is read again; None outside
+        # one (R4)
         self.rebuilt = None
         self.closed = False
         self._sampler = random.Random(0)  # never torch's RNG (R6)

@@ -119,6 +119,18 @@ def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
         'backward (R13).')
 
 
+def _read_once(memo, key):
+    """The storage a rebuild keeps for ``key``, or ``None``; counts one of
+    its reads, and lets it go after the last (R4)."""
+    entry = memo.get(key)
+    if entry is None:
+        return None
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del memo[key]
+    return entry[0]
+
+
 def _written_after_close(rec, rebuildable):
     """Whether a tensor over resident ``rec`` was written after the scope
     closed (R13): then a recipe must not read it as it is. Raises if the
@@ -238,12 +250,16 @@ class Replayer:
                 raise _shrunk_unseen(f'a storage of {rec.nbytes} bytes',
                                      storage.nbytes(), rec.nbytes)
             stale = True
+        memo = self.rebuilt
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
+            if memo:  # a read of what this rebuild keeps, if it does (R4)
+                _read_once(memo, (rec, version))
             return storage, stale
-        memo = self.rebuilt
-        if memo is not None and not stale and (rec, version) in memo:
-            return memo[rec, version], stale  # rebuilt earlier (R4)
+        if memo is not None and not stale:
+            kept = _read_once(memo, (rec, version))
+            if kept is not None:
+                return kept, stale  # rebuilt earlier in this rebuild (R4)
         return None, stale
 
     def _rebuild_steps(self, rec, version, stale):
@@ -267,7 +283,12 @@ class Replayer:
             if memo is None:
                 self.rebuilt = None
         if memo is not None and not stale:
-            memo[key] = storage
+            # kept for the reads still to come: one read each recipe
+            # argument that reads it (the one that asked has it); a link
+            # read once is let go after that read (R4)
+            reads = rec.recipe_reads() - 1
+            if reads > 0:
+                memo[key] = [storage, reads]
         rec.last_access = self.clock  # just rebuilt: fresh, not stale
         if version == rec.version and not rec.resident:
             self._register(storage, storage._cdata, rec)

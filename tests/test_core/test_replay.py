@@ -1,5 +1,5 @@
-"""Replay: a rebuild reuses what it rebuilt, and gives it back first under
-memory pressure."""
+"""Replay: a rebuild reuses what it rebuilt while it is read again, lets
+it go at its last read, and gives it back first under memory pressure."""
 import pytest
 import torch
 
@@ -69,6 +69,45 @@ def test_what_a_rebuild_keeps_goes_first_under_pressure():
     assert torch.equal(x.grad, grad_ref)
     assert engine.stats.recomputations >= 13
     assert engine.stats.peak_memory <= 7 * 2**20
+
+
+@pytest.mark.parametrize('links', ['plain', 'residual'])
+def test_a_rebuild_lets_go_of_a_link_read_for_the_last_time(links):
+    # below the floor (8 MiB kept in scope: the threshold is unreachable,
+    # and the limit is raised above it), a frozen chain rebuilt in backward
+    # kept every link it rebuilt until the rebuild ended, above the peak
+    # with nothing evicted (a frozen backbone's stem, found by a review)
+    w = torch.randn(2**18, requires_grad=True)  # trained: saves its input
+    x = torch.randn(2**18)  # frozen: nothing in the chain is saved
+
+    def step():
+        t = x * 1.5
+        for _ in range(12):  # 1 MiB each: recorded, none saved
+            t = t * 1.01 if links == 'plain' else t * 1.01 + t
+        with torch.no_grad():
+            held = torch.zeros(80 * 2**18)  # kept: made under no_grad
+        y = t * w  # saves t
+        del t
+        with torch.no_grad():
+            pressure = torch.zeros(8 * 2**18)  # evicts t
+        del pressure
+        y.exp().sum().backward()
+        del held
+
+    def run(threshold):
+        w.grad = None
+        with DTR(
+                eviction_threshold=threshold,
+                evictee_minimum_size=1) as engine:
+            step()
+        return w.grad, engine.stats
+
+    grad_ref, kept = run(2**62)
+    grad, stats = run(48 * 2**20)
+    assert torch.equal(grad, grad_ref)
+    assert stats.evictions >= 1 and stats.recomputations >= 13
+    assert stats.eviction_failures >= 1  # the limit was raised
+    assert stats.peak_memory <= kept.peak_memory
 
 
 def _dropout_graph():
