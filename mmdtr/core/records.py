@@ -256,16 +256,6 @@ class StorageRecord:
         else:
             self.inputs = [rec]
 
-    def recipe_reads(self) -> int:
-        """How many recipe arguments of live records read this one (a
-        record reading it twice counts twice): ``users`` holds one entry
-        per such argument (:meth:`add_input`). Arguments of recipes dropped
-        since count too, so it is never below the reads a rebuild can make.
-        """
-        if self.users is None:
-            return 0
-        return sum(1 for ref in self.users if ref() is not None)
-
     def live_users(self) -> list:
         """The records alive whose recipes read this one."""
         return self.users.live() if self.users is not None else []

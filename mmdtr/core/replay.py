@@ -5,6 +5,7 @@ object per engine; this mixin only groups its methods). Rules R4 and R6 of
 docs/design.md.
 """
 import contextlib
+import sys
 
 import torch
 
@@ -117,6 +118,45 @@ def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
         'below the dispatcher). Reading it would read freed memory.',
         'free it after backward, or restore its size and contents before '
         'backward (R13).')
+
+
+#: What :func:`_reads_in_a_rebuild` returns when the reads cannot be
+#: counted: a rebuild keeps the storage until it ends (R4).
+UNCOUNTED_READS = sys.maxsize
+
+
+def _reads_in_a_rebuild(rec) -> int:
+    """How many times a rebuild may read ``rec``: one per recipe argument
+    of a live record that reads it (``users`` holds one entry per such
+    argument; a record reading it twice counts twice), or
+    :data:`UNCOUNTED_READS` when such a record, written in place since,
+    may be rebuilt at two or more versions, each replaying its creator
+    (found by a review). Arguments of recipes dropped since count too, so
+    it is never below the reads a rebuild makes (R4)."""
+    reads = 0
+    for ref in rec.users or ():
+        user = ref()
+        if user is None:
+            continue
+        if user.mutations and _versions_read(user) > 1:
+            return UNCOUNTED_READS
+        reads += 1
+    return reads
+
+
+def _versions_read(rec) -> int:
+    """How many versions of ``rec`` recipes of live records read, with the
+    one its saved handles read."""
+    versions = {rec.version} if rec.handles else set()
+    for ref in rec.users or ():
+        user = ref()
+        if user is None:
+            continue
+        for node in (user.creator, *user.mutations):
+            for arg in node.refs() if node is not None else ():
+                if type(arg) is RecordRef and arg.record is rec:
+                    versions.add(arg.version)
+    return len(versions)
 
 
 def _read_once(memo, key):
@@ -286,7 +326,7 @@ class Replayer:
             # kept for the reads still to come: one read each recipe
             # argument that reads it (the one that asked has it); a link
             # read once is let go after that read (R4)
-            reads = rec.recipe_reads() - 1
+            reads = _reads_in_a_rebuild(rec) - 1
             if reads > 0:
                 memo[key] = [storage, reads]
         rec.last_access = self.clock  # just rebuilt: fresh, not stale
