@@ -129,16 +129,20 @@ def _reads_in_a_rebuild(rec) -> int:
     """How many times a rebuild may read ``rec``: one per recipe argument
     of a live record that reads it (``users`` holds one entry per such
     argument; a record reading it twice counts twice), or
-    :data:`UNCOUNTED_READS` when such a record, written in place since,
-    may be rebuilt at two or more versions, each replaying its creator
-    (found by a review). Arguments of recipes dropped since count too, so
-    it is never below the reads a rebuild makes (R4)."""
+    :data:`UNCOUNTED_READS` when such a record may be rebuilt more than
+    once in one rebuild, each time replaying its creator: written in place
+    since and read at two or more versions, or stale (written after the
+    scope closed, R13: rebuilt for each read). Both found by reviews.
+    Arguments of recipes dropped since count too, so it is never below the
+    reads a rebuild makes (R4)."""
     reads = 0
     for ref in rec.users or ():
         user = ref()
         if user is None:
             continue
-        if user.mutations and _versions_read(user) > 1:
+        if user.mutations and _versions_read(user) > 1 or (
+                user.exit_versions and user.resident
+                and user.written_after_close() is not None):
             return UNCOUNTED_READS
         reads += 1
     return reads
