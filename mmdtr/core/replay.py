@@ -140,9 +140,9 @@ def _reads_in_a_rebuild(rec) -> int:
         user = ref()
         if user is None:
             continue
-        if user.mutations and _versions_read(user) > 1 or (
-                user.exit_versions and user.resident
-                and user.written_after_close() is not None):
+        # stale: its check reads None while it is not resident (R13)
+        if user.mutations and _versions_read(user) > 1 or \
+                user.written_after_close() is not None:
             return UNCOUNTED_READS
         reads += 1
     return reads
