@@ -35,8 +35,8 @@ from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
 from mmdtr.utils.module_names import CHECKED_ATTR, check_module_names
 from .checkpoint_loading import register_checkpoint_safe_globals
 from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
-from .cpu_process_group import (close_at_exit, dist_cfg_of, init_cpu_dist,
-                                noting_outcome)
+from .cpu_process_group import (check_launcher_env, close_at_exit, dist_cfg_of,
+                                init_cpu_dist, noting_outcome)
 from .runner_config_checks import check_amp_available
 
 
@@ -82,7 +82,8 @@ class MMDTRRunner(Runner):
 
         Raises:
             MmdtrError: If a memory key has a bad value, AMP is asked for
-                on a CPU-only machine, or, without a launcher, a module
+                on a CPU-only machine, a launcher's environment variables
+                are missing, or, without a launcher, a module
                 name selects nothing or the two selecting keys cannot
                 apply together (checked on a model built for it, before
                 the work dir is made).
@@ -92,12 +93,18 @@ class MMDTRRunner(Runner):
             cfg = Config(dict(cfg))
         cfg = translate_memory_keys(cfg)
         check_amp_available(cfg.get('optim_wrapper'))
-        if not checked and cfg.get('launcher', 'none') == 'none':
-            # before the work dir is made and before any hook changes the
-            # model, as tools/train.py does: a downstream script's bad name
-            # or conflict came after both (found by a review); under a
-            # launcher each rank checks in before_run
-            check_module_names(cfg)
+        launcher = cfg.get('launcher', 'none')
+        if launcher == 'none':
+            if not checked:
+                # before the work dir is made and before any hook changes
+                # the model, as tools/train.py does: a downstream script's
+                # bad name or conflict came after both (found by a review);
+                # under a launcher each rank checks in before_run
+                check_module_names(cfg)
+        elif not is_distributed():
+            # before the work dir too, on any device: outside torchrun,
+            # MMEngine's init_dist raised KeyError: 'RANK' on a GPU machine
+            check_launcher_env(launcher, dist_cfg_of(cfg.get('env_cfg')))
         return super().from_cfg(cfg)
 
     def dump_config(self) -> None:

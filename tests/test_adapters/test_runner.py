@@ -201,3 +201,26 @@ def test_module_names_are_checked_before_the_work_dir(tmp_path, toy_runner_cfg,
     cfg.launcher = 'pytorch'  # each rank checks in before_run instead
     with pytest.raises(MmdtrError, match='RANK'):  # the launcher's check
         MMENGINE_RUNNERS.build(cfg)
+    assert not work_dir.exists()
+
+
+@pytest.mark.parametrize('device', ['cpu', 'cuda'])
+def test_a_launcher_without_its_variables_is_refused_before_the_work_dir(
+        tmp_path, toy_runner_cfg, monkeypatch, device):
+    # a downstream script built the runner under --launcher pytorch outside
+    # torchrun: on a GPU machine MMEngine's init_dist raised KeyError: 'RANK'
+    # (seen on an H200), on CPU the refusal came after the work dir was made
+    monkeypatch.setattr('mmdtr.adapters.runner.get_device', lambda: device)
+    for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        monkeypatch.delenv(name, raising=False)
+    work_dir = tmp_path / 'work'
+    cfg = toy_runner_cfg(
+        work_dir,
+        '_FrozenConvBNToy',
+        dict(type='SeededToyImages', size=8),
+        'names',
+        runner_type='MMDTRRunner',
+        launcher='pytorch')
+    with pytest.raises(MmdtrError, match='variable RANK'):
+        MMENGINE_RUNNERS.build(cfg)
+    assert not work_dir.exists()
