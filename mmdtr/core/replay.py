@@ -180,7 +180,7 @@ def _written_after_close(rec, rebuildable):
     closed (R13): then a recipe must not read it as it is. Raises if the
     version the recipe read cannot be rebuilt instead (``rebuildable``
     False, or outside ``lo..hi``)."""
-    written = rec.written_after_close() if rec.resident else None
+    written = rec.written_after_close()  # None while evicted
     if written is None:
         return False
     if rebuildable and rec.recomputable(rec.version):
