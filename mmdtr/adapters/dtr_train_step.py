@@ -237,8 +237,10 @@ def _not_held(stats: DTRStats) -> str:
             'was not held in this iteration: memory in use rose to '
             f'{peak} with nothing evictable left ({stats.eviction_failures} '
             'eviction failures). Below what must stay resident (gradients, '
-            'tensors held from Python, the op running) rebuilds grow fast '
-            f"and the step slows: raise it to '{peak}' or more "
+            'tensors held from Python, the op running) rebuilds grow fast, '
+            'the step slows, and the peak can pass that of a step without '
+            "DTR (a rebuild's inputs are remade too): raise it to "
+            f"'{peak}' or more, or train without DTR if that fits "
             '(train/dtr_eviction_failures counts each iteration; this is '
             'logged once).')
 

@@ -302,6 +302,9 @@ def test_a_threshold_not_held_is_logged_once(tmp_path, make_cfg, threshold):
         assert all(n > 0 for n in failures) and len(failures) == 3
         assert warned == 1
         assert 'mmdtr: dtr.eviction_threshold (1.00 KiB)' in text
+        # below the floor the peak can pass the run without DTR's (a review
+        # over mmdet's Faster R-CNN: 62.3 against 55.9 MiB)
+        assert 'or train without DTR if that fits' in text
     else:
         assert not any(failures)
         assert warned == 0
