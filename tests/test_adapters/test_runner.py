@@ -174,6 +174,16 @@ class _FrozenConvBNToy(BaseModel):
         return logits
 
 
+def _frozen_toy_cfg(toy_runner_cfg, work_dir, **keys):
+    return toy_runner_cfg(
+        work_dir,
+        '_FrozenConvBNToy',
+        dict(type='SeededToyImages', size=8),
+        'names',
+        runner_type='MMDTRRunner',
+        **keys)
+
+
 @pytest.mark.parametrize('keys, match', [
     (dict(activation_checkpointing=['backbone.7']), 'closest'),
     (dict(
@@ -188,13 +198,7 @@ def test_module_names_are_checked_before_the_work_dir(tmp_path, toy_runner_cfg,
     # fusion changed the model (found by a review); as tools/train.py
     # does, the names are checked on a model built for it first
     work_dir = tmp_path / 'work'
-    cfg = toy_runner_cfg(
-        work_dir,
-        '_FrozenConvBNToy',
-        dict(type='SeededToyImages', size=8),
-        'names',
-        runner_type='MMDTRRunner',
-        **keys)
+    cfg = _frozen_toy_cfg(toy_runner_cfg, work_dir, **keys)
     with pytest.raises(MmdtrError, match=match):
         MMENGINE_RUNNERS.build(cfg)
     assert not work_dir.exists()
@@ -214,13 +218,7 @@ def test_a_launcher_without_its_variables_is_refused_before_the_work_dir(
     for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
         monkeypatch.delenv(name, raising=False)
     work_dir = tmp_path / 'work'
-    cfg = toy_runner_cfg(
-        work_dir,
-        '_FrozenConvBNToy',
-        dict(type='SeededToyImages', size=8),
-        'names',
-        runner_type='MMDTRRunner',
-        launcher='pytorch')
+    cfg = _frozen_toy_cfg(toy_runner_cfg, work_dir, launcher='pytorch')
     with pytest.raises(MmdtrError, match='variable RANK'):
         MMENGINE_RUNNERS.build(cfg)
     assert not work_dir.exists()
