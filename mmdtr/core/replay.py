@@ -5,13 +5,13 @@ object per engine; this mixin only groups its methods). Rules R4 and R6 of
 docs/design.md.
 """
 import contextlib
-import sys
 
 import torch
 
 from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
 from .op_semantics import op_info
+from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
 from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
 from .records import _PLAIN, detached_alias, view_meta, view_of
 
@@ -118,61 +118,6 @@ def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
         'below the dispatcher). Reading it would read freed memory.',
         'free it after backward, or restore its size and contents before '
         'backward (R13).')
-
-
-#: What :func:`_reads_in_a_rebuild` returns when the reads cannot be
-#: counted: a rebuild keeps the storage until it ends (R4).
-UNCOUNTED_READS = sys.maxsize
-
-
-def _reads_in_a_rebuild(rec) -> int:
-    """How many times a rebuild may read ``rec``: one per recipe argument
-    of a live record that reads it (``users`` holds one entry per such
-    argument; a record reading it twice counts twice), or
-    :data:`UNCOUNTED_READS` when such a record may be rebuilt more than
-    once in one rebuild, each time replaying its creator: written in place
-    since and read at two or more versions, or stale (written after the
-    scope closed, R13: rebuilt for each read). Both found by reviews.
-    Arguments of recipes dropped since count too, so it is never below the
-    reads a rebuild makes (R4)."""
-    reads = 0
-    for ref in rec.users or ():
-        user = ref()
-        if user is None:
-            continue
-        # stale: its check reads None while it is not resident (R13)
-        if user.mutations and _versions_read(user) > 1 or \
-                user.written_after_close() is not None:
-            return UNCOUNTED_READS
-        reads += 1
-    return reads
-
-
-def _versions_read(rec) -> int:
-    """How many versions of ``rec`` recipes of live records read, with the
-    one its saved handles read."""
-    versions = {rec.version} if rec.handles else set()
-    for ref in rec.users or ():
-        user = ref()
-        if user is None:
-            continue
-        for node in (user.creator, *user.mutations):
-            for arg in node.refs() if node is not None else ():
-                if type(arg) is RecordRef and arg.record is rec:
-                    versions.add(arg.version)
-    return len(versions)
-
-
-def _read_once(memo, key):
-    """The storage a rebuild keeps for ``key``, or ``None``; counts one of
-    its reads, and lets it go after the last (R4)."""
-    entry = memo.get(key)
-    if entry is None:
-        return None
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del memo[key]
-    return entry[0]
 
 
 def _written_after_close(rec, rebuildable):
@@ -286,10 +231,8 @@ class Replayer:
         needs no rebuild (resident, or rebuilt earlier in this rebuild),
         else ``None``; ``stale`` also when it shrank."""
         storage = rec.storage()
-        if storage is not None and storage.nbytes() < rec.nbytes:
-            # shrunk below the dispatcher (a seen resize updates nbytes; a
-            # grown storage keeps its bytes): rebuilt for this use, as a
-            # storage written after the scope is (R13)
+        if shrank(rec, storage):  # below the dispatcher: rebuilt for this
+            # use, as a storage written after the scope is (R13)
             if not rec.recomputable(version):
                 raise _shrunk_unseen(f'a storage of {rec.nbytes} bytes',
                                      storage.nbytes(), rec.nbytes)
@@ -298,10 +241,10 @@ class Replayer:
         if storage is not None and rec.version == version and not stale:
             rec.last_access = self.clock
             if memo:  # a read of what this rebuild keeps, if it does (R4)
-                _read_once(memo, (rec, version))
+                read_once(memo, (rec, version))
             return storage, stale
         if memo is not None and not stale:
-            kept = _read_once(memo, (rec, version))
+            kept = read_once(memo, (rec, version))
             if kept is not None:
                 return kept, stale  # rebuilt earlier in this rebuild (R4)
         return None, stale
@@ -330,7 +273,7 @@ class Replayer:
             # kept for the reads still to come: one read each recipe
             # argument that reads it (the one that asked has it); a link
             # read once is let go after that read (R4)
-            reads = _reads_in_a_rebuild(rec) - 1
+            reads = reads_in_a_rebuild(rec) - 1
             if reads > 0:
                 memo[key] = [storage, reads]
         rec.last_access = self.clock  # just rebuilt: fresh, not stale

@@ -149,12 +149,14 @@ def test_a_link_read_at_two_versions_is_kept_for_both():
     assert engine.stats.recomputations <= 3 * links + 1
 
 
-def test_the_input_of_a_stale_reader_is_kept_for_each_read():
-    # y, written after the scope closed, is stale: each of its 8 readers'
-    # rebuilds rebuilds it for itself (R13), replaying its creator, so the
-    # chain before it is read once per read of y though one recipe
-    # argument reads it (let go after the first, the 20-link chain was
-    # rebuilt per read: 344 rebuilds instead of 57; found by a review)
+@pytest.mark.parametrize('stale_by', ['written', 'shrunk'])
+def test_the_input_of_a_stale_reader_is_kept_for_each_read(stale_by):
+    # y, written after the scope closed or shrunk below the dispatcher, is
+    # stale: each of its 8 readers' rebuilds rebuilds it for itself (R13),
+    # replaying its creator, so the chain before it is read once per read
+    # of y though one recipe argument reads it (let go after the first,
+    # the 20-link chain was rebuilt per read: 344 rebuilds instead of 57;
+    # found by a review, then by a third one for the shrunk storage)
     x = torch.randn(4096)
     w = torch.randn(4096, requires_grad=True)
 
@@ -183,7 +185,10 @@ def test_the_input_of_a_stale_reader_is_kept_for_each_read():
                 evictee_minimum_size=1) as engine:
             y, loss = forward()
             state = engine._state  # counts the rebuilds after the scope
-        y.add_(1.0)  # after the scope: y is stale
+        if stale_by == 'written':  # after the scope: y is stale
+            y.add_(1.0)
+        else:  # freed where the engine cannot see it (R13)
+            y.untyped_storage().resize_(0)
         loss.backward()
         return w.grad, engine, state
 
