@@ -19,6 +19,7 @@ from .accounting import oom_eviction_needs_cuda
 from .engine import EngineState
 from .policies import build_policy
 from .records import _PLAIN
+from .saved_tensors import graph_task_id
 from .sizes import parse_size
 from .torch_compat import outer_saved_tensor_hooks
 
@@ -309,15 +310,12 @@ def _check_device(device) -> Optional[torch.device]:
     return parsed
 
 
-_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
-
-
 def _refuse_in_backward(what: str):
     """Raise inside backward (a tensor or module hook): autograd puts the
     thread's dispatch modes and saved-tensor hooks back as they were after
     each node, so an engine started or closed there would be undone (R12).
     """
-    if _graph_task_id() != -1:
+    if graph_task_id() != -1:
         raise MmdtrError(
             f'a DTR engine cannot {what} inside backward (a tensor or module '
             'hook): autograd restores the thread\'s dispatch modes and '

@@ -116,10 +116,12 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.backward_clock = -1  # clock of the latest saved-tensor unpack
         self.cut_carried = False  # a recipe being built lost an input's
         self.reach_epoch = 0  # moves when a record loses its last handle
+        # saved tensors were released or unpacked since the last sweep
+        self.sweep_due = False
         # records given a recipe since the last sweep; those to check at
         # the next one whatever their age
         self.unswept, self.sweep_next = WeakList(), WeakList()
-        self.swept_epoch, self.sweep_at = 0, 0  # (R10)
+        self.sweep_at = 0  # (R10)
         self.in_use = self.peak = 0
         self.evictions = self.recomputations = self.eviction_failures = 0
         # the limit in force: raised above an unreachable threshold
@@ -138,9 +140,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
         # called with self.lock held (the dispatch mode takes it, R12)
-        if self.reach_epoch != self.swept_epoch \
-                and self.clock >= self.sweep_at:
-            self._sweep()  # saved tensors were released (R10)
+        if self.sweep_due and self.clock >= self.sweep_at:
+            self._sweep()  # saved tensors were released or read (R10)
         info = op_info(func)
         if info.swaps_storage:
             return self._run_set(func, args, kwargs, info)

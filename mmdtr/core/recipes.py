@@ -169,7 +169,7 @@ class Recipes:
     ``external_prune_at``, ``clock``, ``backward_clock``, ``reach_epoch``,
     ``unswept``, ``sweep_next``, ``cut_carried`` and ``lock``; sets
     ``cut_carried``, ``external_prune_at``, ``unswept``, ``sweep_next``,
-    ``sweep_at`` and ``swept_epoch``, and changes ``external_users`` in
+    ``sweep_at`` and ``sweep_due``, and changes ``external_users`` in
     place. Calls the accounting (``_meter_rng_state``), the index of
     outside memory (``_index_held``, ``_unindex_held``) and the writes'
     ``_forget_if_unneeded``.
@@ -313,20 +313,20 @@ class Recipes:
             self.cut_carried = True
 
     def _sweep(self):
-        """Saved tensors were released (a backward ran, or a graph was
-        dropped): records given a recipe before that which no saved-tensor
-        handle can reach lose their recipes, with those of the records
-        reading them. Kept across the iterations of one long scope (a list
-        of detached outputs, a total carried out of place), their recipes
+        """Saved tensors were released or a backward read them (a graph was
+        dropped, or a backward ran): records given a recipe before that which
+        no saved-tensor handle can reach lose their recipes, with those of the
+        records reading them. Kept across the iterations of one long scope (a
+        list of detached outputs, a total carried out of place), their recipes
         would hold every iteration's inputs (R10). A record made since the
-        latest backward is checked one sweep later than one made before
-        it: a graph dropped mid-forward (an auxiliary loss read with
-        ``.item()``) sweeps too, and the running forward's activations not
-        saved yet must keep their recipes. A record a handle still reaches
-        is checked again at the next sweep; a sweep runs as many ops after
-        the last as it left records to check, at the earliest, so
-        sweeping costs O(1) per op amortized, walks aside (R1)."""
-        self.swept_epoch = self.reach_epoch
+        latest backward is checked one sweep later than one made before it: a
+        graph dropped mid-forward (an auxiliary loss read with ``.item()``)
+        sweeps too, and the running forward's activations not saved yet must
+        keep their recipes. A record a handle still reaches is checked again at
+        the next sweep; a sweep runs as many ops after the last as it left
+        records to check, at the earliest, so sweeping costs O(1) per op
+        amortized, walks aside (R1)."""
+        self.sweep_due = False
         later = WeakList()
         check = self.sweep_next.live()
         for rec in self.unswept.live():

@@ -13,6 +13,11 @@ import torch
 from mmdtr.errors import MmdtrError
 from .records import _PLAIN, detached_alias, managed, view_meta, view_of
 
+#: the running backward's graph task; -1 outside backward (R12; a Python
+#: read of ``grad_fn._saved_self``). PyTorch 2.4 has it (its multi-grad
+#: hooks and checkpoint read it)
+graph_task_id = torch._C._current_graph_task_id
+
 
 class AliasRef(weakref.ref):
     """A weak reference to the alias the engine made of a saved tensor.
@@ -139,6 +144,12 @@ class SavedTensors:
 
     def _unpack(self, handle):
         self.backward_clock = self.clock
+        if self.unswept and graph_task_id() != -1:
+            # a backward runs: sweep what was given a recipe before it,
+            # with or without handles (none is made below
+            # evictee_minimum_size, so no release would ask; found by a
+            # review of long runs, R10)
+            self.sweep_due = True
         if isinstance(handle, HeldSaved):
             t = handle.tensor
             if t._version != handle.version:
@@ -210,6 +221,7 @@ class SavedTensors:
             # what reached a handle may not: the walks' reach marks go
             # stale (R1), and a sweep follows (R10)
             self.reach_epoch += 1
+            self.sweep_due = True
             rec.views.clear()
             rec.alias_refs = rec.keepalive = None  # frozen: no longer (R7)
             if rec.cand_index >= 0:

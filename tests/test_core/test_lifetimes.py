@@ -315,12 +315,20 @@ def test_kept_outputs_without_backward_hold_no_batch(keep):
         assert sum(r() is not None for r in refs) <= 2  # the latest two
 
 
-def test_saliency_maps_hold_no_gradient():
+# below the default evictee_minimum_size nothing is saved through a handle:
+# no release moved the sweep, and every iteration was kept (found by a
+# review of long runs)
+_HANDLES = pytest.mark.parametrize(
+    'min_size', [1, 2**20], ids=['handles', 'no_handle'])
+
+
+@_HANDLES
+def test_saliency_maps_hold_no_gradient(min_size):
     # autograd.grad each iteration, no optimizer: a summary of the input's
     # gradient kept the whole gradient through its recipe (R10)
     net = _mlp()
     refs, kept = [], []
-    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+    with DTR(eviction_threshold=1, evictee_minimum_size=min_size):
         for _ in range(12):
             x = torch.randn(16, 64, requires_grad=True)
             (g, ) = torch.autograd.grad(net(x).max(1).values.sum(), x)
@@ -329,6 +337,45 @@ def test_saliency_maps_hold_no_gradient():
             del x, g
         gc.collect()
         assert sum(r() is not None for r in refs) <= 2  # the latest two
+
+
+@_HANDLES
+def test_loss_history_holds_no_batch(min_size):
+    # backward each iteration, no optimizer step (gradient statistics): a
+    # history of detached losses kept each loss's recipe and its batch
+    net = _mlp()
+    refs, losses = [], []
+    with DTR(eviction_threshold='64MB', evictee_minimum_size=min_size):
+        for _ in range(12):
+            with torch.no_grad():
+                x = torch.randn(32, 64)
+            refs.append(weakref.ref(x.untyped_storage()))
+            loss = net(x).square().mean()
+            net.zero_grad(set_to_none=True)
+            loss.backward()
+            losses.append(loss.detach())
+            del x, loss
+        gc.collect()
+        assert sum(r() is not None for r in refs) <= 2  # the latest two
+
+
+@pytest.mark.parametrize('read', [False, True])
+def test_saved_tensor_read_in_forward_keeps_recipes(read):
+    # a Python read of a saved tensor unpacks it outside backward: no sweep
+    # follows, so the activation made before the read and saved after it
+    # keeps its recipe and is evicted (R10)
+    x, w = torch.randn(1024, 1024), torch.randn(1024, requires_grad=True)
+
+    def forward():
+        a = x.exp()  # 4 MiB, saved by the mul
+        s = w.sigmoid()
+        if read:
+            assert s.grad_fn._saved_result is not None
+        return (a * w).sum()
+
+    with DTR(eviction_threshold=1) as engine:
+        forward().backward()
+    assert engine.stats.evictions == 1
 
 
 def test_auxiliary_loss_read_mid_forward_keeps_no_skip():
