@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import threading
+import weakref
 
 import torch
 
@@ -33,15 +34,28 @@ from .writes import Writes, bump_like_eager, versions_before
 # lock; with a lock per engine, two threads doing so at once deadlocked.
 # It is let go while the kernel of an op writing no argument runs.
 _LOCK = threading.RLock()
+_OPEN_ENGINES = weakref.WeakSet()  # the states not closed yet
+
+
+def _run_as_is(func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+def _after_fork_in_child():
+    _LOCK.release()
+    for state in list(_OPEN_ENGINES):
+        state.stop_in_forked_child()
+
+
 if hasattr(os, 'register_at_fork'):
     # a fork (DataLoader workers) while another thread held the lock left
     # the child's copy held by no thread: its first op under the engine it
     # inherited waited forever (found by a review). The forking thread takes
-    # the lock first; parent and child let it go.
+    # the lock first; parent and child let it go (R12).
     os.register_at_fork(
         before=_LOCK.acquire,
         after_in_parent=_LOCK.release,
-        after_in_child=_LOCK.release)
+        after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -136,6 +150,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         # held by every entry (an op, a save, an unpack, a free): autograd
         # may run a graph's backward in another thread (R12)
         self.lock = _LOCK
+        _OPEN_ENGINES.add(self)
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
@@ -342,6 +357,16 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 if rng is not None:
                     self._set_rng(rng)
 
+    def stop_in_forked_child(self):
+        """In a process forked while this engine was open (DataLoader
+        workers: the forking thread's dispatch mode and saved-tensor hooks
+        carry over), run ops and save tensors as they are, as eager does: the
+        engine is the parent's. Under it a worker ran its ops through the
+        engine, about ten times slower, and kept recipes of what its dataset
+        cached (found by a review of long runs, R12)."""
+        self.closed = True  # pack keeps saved tensors as they are
+        self.on_op = self.on_subclass_op = _run_as_is
+
     def close(self):
         """Stop accounting; records still held by autograd stay usable."""
         with self.lock:
@@ -349,6 +374,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
 
     def _close(self):
         self.closed = True
+        _OPEN_ENGINES.discard(self)
         # a snapshot: close_versions allocates, so a garbage collection may
         # free a storage here, and _on_free drops its record (R12)
         for rec in list(self.records.values()):

@@ -113,6 +113,61 @@ def test_a_fork_while_another_thread_holds_the_lock_leaves_it_free():
     assert os.WEXITSTATUS(status) == 0
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Ops in ``__getitem__``; also the clock of the engine enabled around
+    them, before and after (-1 without one)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from mmdtr import dtr
+
+        def clock():
+            engine = dtr.current_engine()
+            return -1 if engine is None else engine._state.clock
+
+        before = clock()
+        img = torch.randn(
+            3, 16, 16, generator=torch.Generator().manual_seed(i))
+        for _ in range(5):
+            img = img.flip(-1) * 1.0
+        return img, torch.tensor([before, clock()])
+
+
+@pytest.mark.skipif(not hasattr(os, 'fork'), reason='needs fork')
+def test_a_forked_worker_runs_its_ops_as_they_are():
+    # DataLoader workers forked under dtr.enable() inherit its dispatch mode:
+    # they ran every op through the engine, ten times slower, and kept the
+    # recipes of what their dataset cached (found by a review of long runs)
+    from mmdtr import dtr
+
+    def load():
+        return list(
+            torch.utils.data.DataLoader(
+                _Augmented(),
+                batch_size=4,
+                num_workers=1,
+                multiprocessing_context='fork'))
+
+    expected = load()
+    dtr.eviction_threshold = '1GB'
+    try:
+        dtr.enable()
+        got = load()
+        clock = dtr.current_engine()._state.clock
+        torch.ones(2).add(1)  # the parent's engine goes on
+        assert dtr.current_engine()._state.clock == clock + 2
+    finally:
+        dtr.disable()
+        dtr.eviction_threshold = None
+    for (img, clocks), (eager_img, _) in zip(got, expected):
+        assert (clocks[:, 0] >= 0).all()  # the engine was there
+        assert (clocks[:, 0] == clocks[:, 1]).all(), clocks
+        assert torch.equal(img, eager_img)
+    assert_thread_clean()
+
+
 def test_engine_active_is_per_thread_and_covers_both_ways_in():
     from mmdtr import dtr
     seen = []
