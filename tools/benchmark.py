@@ -6,7 +6,7 @@ Every measured run runs in a process of its own. Results go to
 
 Examples:
     python tools/benchmark.py configs/resnet50_synthetic.py sweep \
-        --batch-size 8 --image-size 112 --fractions 0.9 0.7 0.5 0.3 0.2
+        --batch-size 8 --image-size 112 --fractions 0.9 0.7 0.5 0.3 0.25
     python tools/benchmark.py CONFIG sweep --thresholds 200MB 100MB
     python tools/benchmark.py CONFIG compare --match checkpoint_sqrt
     python tools/benchmark.py CONFIG largest-batch --capacity 1GB
