@@ -144,7 +144,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         # (record, version) -> [storage, reads left]: what the outermost
         # rebuild in progress rebuilt that is read again; None outside
         # one (R4)
-        self.rebuilt = None
+        self.rebuilt = self.rebuilding = None
+        self.thrashing = False
         self.closed = False
         self._sampler = random.Random(0)  # never torch's RNG (R6)
         # held by every entry (an op, a save, an unpack, a free): autograd

@@ -73,17 +73,18 @@ class Evictor:
         when there is nothing left to do either (R4).
 
         While a rebuild runs, what it keeps for its reads to come (its
-        memo) goes first, all of it, while the limit is the threshold.
-        Once the limit was raised over an unreachable threshold (R11), a
-        candidate the rebuild will not read again goes first, and the memo
-        only when no such candidate is evictable: there, with memory held
-        an eighth of the threshold above its floor, giving the memo back
-        first made long rebuilds rebuild again and again what they had just
-        rebuilt (a review of 2026-11-28: 89% of Deformable DETR's 86,470
-        rebuilds at 0.1 of its peak).
+        memo) goes first, all of it, unless the rebuild thrashes: the
+        limit was raised over an unreachable threshold (R11) and the
+        rebuild has rebuilt a storage a second time. Then a candidate it
+        will not read again goes first, and the memo only when no such
+        candidate is evictable: there, with memory held an eighth of the
+        threshold above its floor, giving the memo back first made long
+        rebuilds rebuild again and again what they had just rebuilt (a
+        review of 2026-11-28: 89% of Deformable DETR's 86,470 rebuilds at
+        0.1 of its peak).
         """
         memo = self.rebuilt
-        if memo and self.limit == self.threshold:
+        if memo and (self.limit == self.threshold or not self.thrashing):
             memo.clear()
             return True
         if memo:

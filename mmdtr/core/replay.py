@@ -263,12 +263,17 @@ class Replayer:
                 'please report it with the model.')
         try:
             if memo is None:  # the outermost rebuild keeps what it rebuilds
-                self.rebuilt = {}
+                self.rebuilt, self.rebuilding = {}, set()
+            elif not stale and not self.thrashing:
+                # a storage rebuilt twice in one rebuild: it thrashes (R4)
+                self.thrashing = key in self.rebuilding
+                self.rebuilding.add(key)
             with _outside_vmap():
                 storage = yield from self._replay_recipe(rec, version)
         finally:
             if memo is None:
-                self.rebuilt = None
+                self.rebuilt = self.rebuilding = None
+                self.thrashing = False
         if memo is not None and not stale:
             # kept for the reads still to come: one read each recipe
             # argument that reads it (the one that asked has it); a link
