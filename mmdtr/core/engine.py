@@ -142,8 +142,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         self.limit = threshold
         self.remat_seconds = 0.0
         # (record, version) -> [storage, reads left]: what the outermost
-        # rebuild in progress rebuilt that is read again; None outside
-        # one (R4)
+        # rebuild in progress rebuilt that is read again; the (record,
+        # version) pairs it rebuilt, and whether it rebuilt one twice (it
+        # thrashes); None and False outside one (R4)
         self.rebuilt = self.rebuilding = None
         self.thrashing = False
         self.closed = False
