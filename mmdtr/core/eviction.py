@@ -87,15 +87,12 @@ class Evictor:
         if memo and (self.limit == self.threshold or not self.thrashing):
             memo.clear()
             return True
-        if memo:
-            best = self._choose({id(rec) for rec, _ in memo})
-            if best is None:
-                memo.clear()
-                return True
-        else:
-            best = self._choose(())
-            if best is None:
+        best = self._choose({id(rec) for rec, _ in memo} if memo else ())
+        if best is None:
+            if not memo:
                 return False
+            memo.clear()  # nothing else can go
+            return True
         if best.cand_index >= 0:
             self._evict(best)
         # else freed during the search: a policy's score allocates, so a
