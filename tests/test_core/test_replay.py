@@ -134,6 +134,54 @@ def test_what_a_rebuild_keeps_goes_first_unless_it_thrashes(limit, thrashing):
     assert evictions._evict_one() and kept.cand_index < 0  # then LRU's
 
 
+def _saved_fibonacci_step(x, w, s, links):
+    """A chain where each link is read by the next two ops and saved
+    (multiplied by ``s``, a scalar that requires grad), beside 20 MiB held
+    under ``no_grad``: any threshold below that is unreachable."""
+    a, b = x * 1.5, x * 0.5
+    for _ in range(links):
+        a, b = a * s + b, a
+    with torch.no_grad():
+        held = torch.zeros(20 * 2**18)
+    loss = (a * w).sum()
+    del a, b
+    with torch.no_grad():
+        torch.zeros(8 * 2**18)  # pressure: 8 MiB, freed at once
+    loss.backward()
+    return held
+
+
+@pytest.mark.parametrize('threshold_mib, most', [(4, 540), (8, 175)])
+def test_a_real_rebuild_that_thrashes_keeps_what_it_reads_again(
+        monkeypatch, threshold_mib, most):
+    # below the floor, rebuilding a chain of saved links that each link
+    # reads twice rebuilt one a second time, then, giving back the memo
+    # first, again and again: 601 rebuilds at 4 MiB and 220 at 8 MiB; 472
+    # and 131 keeping the memo once it thrashes (R4)
+    x = torch.randn(2**18)
+    w = torch.randn(2**18, requires_grad=True)
+    s = torch.tensor(1.01, requires_grad=True)
+    _saved_fibonacci_step(x, w, s, 12)
+    grads_ref = w.grad, s.grad
+    w.grad = s.grad = None
+    thrashed = []
+    evict_one = Evictor._evict_one
+
+    def spy(self):
+        thrashed.append(self.thrashing)
+        return evict_one(self)
+
+    monkeypatch.setattr(Evictor, '_evict_one', spy)
+    with DTR(
+            eviction_threshold=threshold_mib * 2**20,
+            evictee_minimum_size=1) as engine:
+        _saved_fibonacci_step(x, w, s, 12)
+    assert torch.equal(w.grad, grads_ref[0])
+    assert torch.equal(s.grad, grads_ref[1])
+    assert any(thrashed)
+    assert 0 < engine.stats.recomputations <= most
+
+
 @pytest.mark.parametrize('links', ['plain', 'residual'])
 def test_a_rebuild_lets_go_of_a_link_read_for_the_last_time(links):
     # below the floor (8 MiB kept in scope: the threshold is unreachable,
