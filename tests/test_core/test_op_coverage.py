@@ -38,15 +38,19 @@ def test_op_writing_two_out_tensors(same_under_dtr):
 
 
 def test_positional_generator_is_replayed(same_under_dtr):
-    # poisson's Generator is positional in its schema
+    # poisson's Generator is positional in its schema. Two draws: a replay
+    # of the first that left gen at its recorded state shifted gen's stream,
+    # where with one draw it happened to end where eager's does (found by
+    # mutation testing, R6)
     x = torch.randn(8, 16, requires_grad=True)
 
     def step():
         x.grad = None
         gen = torch.Generator().manual_seed(3)
         counts = torch.poisson(torch.full((8, 16), 3.0), generator=gen)
-        h = (x * counts).exp().sin()
-        del counts  # now only the engine holds it
+        more = torch.poisson(torch.full((8, 16), 2.0), generator=gen)
+        h = (x * counts).exp().sin() * more  # counts rebuilt last
+        del counts, more  # now only the engine holds them
         loss = h.sum()
         loss.backward()
         return [loss, x.grad, gen.get_state()]
