@@ -142,14 +142,22 @@ def test_state_carried_out_of_place_keeps_no_old_inputs():
             if isinstance(a, list) else torch.equal(a, b)
 
 
-def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr):
+@pytest.mark.parametrize('sweep', ['near', 'far'])
+def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr, sweep):
     # the recipe of x + a refers to x, then a's check drops the recipes of
     # a and all that reads it, x's included: the recipe must hold x itself
-    # (it was left referring to a record that could not be rebuilt)
+    # (it was left referring to a record that could not be rebuilt). With
+    # a long saved graph alive the next sweep (R10) is hundreds of ops
+    # away, so the cut, not the sweep, drops the recipes (found by
+    # mutation testing: the near case passed without the rebuilt recipe)
     w = torch.randn(32, 32, requires_grad=True)
+    v = torch.randn(16, requires_grad=True)
 
     def step():
         w.grad = None
+        c = v * 1.0
+        for _ in range(300 if sweep == 'far' else 0):
+            c = c.sin()  # saves c: records with handles, checked per sweep
         a = torch.randn(32, 32) * 1.0
         x = a * 2.0
         g = (x * w).sum()  # saves x: a handle
@@ -160,6 +168,7 @@ def test_carried_state_cut_while_a_recipe_is_built(same_under_dtr):
         del x
         torch.randn(64, 64).exp()  # evicts x + a
         y.sum().backward()
+        del c
         return [w.grad]
 
     assert same_under_dtr(step).recomputations > 0
