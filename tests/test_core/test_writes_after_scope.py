@@ -183,6 +183,25 @@ def test_view_written_after_its_base_moved_storage_is_refused(swap):
         _run(forward, move_then_write, True, w)
 
 
+def test_set_after_the_scope_writes_no_byte():
+    # x, made in scope under no_grad and held by a recipe, is moved onto
+    # another storage after the scope: set_ moves its counter but writes no
+    # byte of the storage the recipe holds, and eager runs (counted as a
+    # write, it was refused; found by mutation testing, R13)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    base, xs = torch.randn(32, 32), []
+
+    def forward():
+        with torch.no_grad():
+            x = base + 1  # recorded, no recipe: held
+        xs.append(x)
+        return _chain_after(x + w, w), x
+
+    _same_as_eager(forward, lambda x: x.set_(torch.zeros(3)), w)
+    assert xs[1].shape == (3, )
+
+
 def test_inference_tensor_as_an_input():
     # inference tensors have no version counter: reading one crashed the
     # recipe ("Inference tensors do not track version counter")
