@@ -39,6 +39,36 @@ def test_state_overwritten_each_iteration_stays_bounded():
     assert max(alive) <= MAX_MUTATIONS, alive
 
 
+def test_state_written_often_before_a_sweep_keeps_few_inputs():
+    # a carried state written in place each iteration while the next sweep
+    # (R10) is far away (a long saved graph alive): the cap on its log is
+    # what drops the inputs; without it each write kept its input alive
+    # until that sweep, 40 of 40 here (found by mutation testing, R5)
+    from mmdtr.core.writes import MAX_MUTATIONS
+    torch.manual_seed(0)
+    w = torch.randn(4096, requires_grad=True)
+    u, x0 = torch.randn(4096), torch.randn(4096)
+    v = torch.randn(16, requires_grad=True)
+    batches = [torch.randn(4096) for _ in range(40)]
+    alive = []
+    with DTR(eviction_threshold='1GB', evictee_minimum_size=1):
+        c = v * 1.0
+        for _ in range(300):  # records with handles, checked per sweep
+            c = c.sin()
+        state = x0 * w  # a recipe
+        z = (state + u).exp()  # saves its output: a handle reaching state
+        (v * v).sum().backward()  # state is made before a backward now
+        del z  # its handle goes: a sweep is due, some 300 ops from now
+        for _ in range(40):
+            x = batches.pop(0)
+            alive.append(weakref.ref(x))
+            state.add_(x + 1)  # logged: the recipe of x + 1 holds x
+            del x
+        gc.collect()
+        kept = sum(r() is not None for r in alive)
+    assert kept <= MAX_MUTATIONS
+
+
 def test_activation_written_many_times_in_its_forward_stays_evictable(
         same_under_dtr):
     # the cap on mutation logs is for state carried across iterations: an
