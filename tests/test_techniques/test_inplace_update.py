@@ -355,6 +355,50 @@ def test_parameter_read_without_gradient_steps_after_the_backward(read):
         assert torch.equal(p, q), name
 
 
+class _OneStopGradientRead(nn.Module):
+    """Reads ``w`` once without gradient, through one view of its storage
+    (``_StopGradientRead`` makes two), before its own use."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+        self.a, self.w = nn.Parameter(torch.randn(4)), nn.Parameter(
+            torch.randn(4))
+
+    def forward(self, x):
+        h = x * self.a
+        frozen = self.w.detach() if self.read == 'detach' else self.w.data
+        aux = (h * frozen).sum()
+        return (h * self.w).square().sum() + aux
+
+
+@pytest.mark.parametrize('read', ['detach', 'data'])
+def test_parameter_read_once_without_gradient_steps_after_the_backward(read):
+    # the one view the read holds is a use of its own: counted as the
+    # parameter's own, w stepped in its hook, before the read (found by
+    # mutation testing)
+    results = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = _OneStopGradientRead(read)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        stepper = PerParameterStepper(optimizer) if in_backward else None
+        for i in range(3):
+            loss = model(
+                torch.randn(4, generator=torch.Generator().manual_seed(i)))
+            if stepper is None:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                stepper.begin()
+                loss.backward()
+                stepper.end()
+        results.append(model)
+    for p, q in zip(results[0].parameters(), results[1].parameters()):
+        assert torch.equal(p, q)
+
+
 def test_deferred_parameters_do_not_step_after_a_failed_backward():
     model = _StopGradientRead('detach')
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
