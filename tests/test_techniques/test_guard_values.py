@@ -2,6 +2,7 @@
 and value, and refuse a value they cannot compare."""
 import collections
 import copy
+import math
 
 import pytest
 import torch
@@ -55,6 +56,9 @@ _SETTINGS_CASES = {
     'config_dict_of_a_class': (ConfigDict(type=nn.ReLU), lambda s: 2.0
                                if s.type is nn.ReLU else 1.0,
                                ConfigDict(type=nn.GELU)),
+    # a loop over a list, unrolled by the trace: a value appended must be
+    # seen (found by mutation testing: lengths were not compared)
+    'list_grown': ([0.5], math.prod, lambda s: s.append(3.0)),
 }
 
 

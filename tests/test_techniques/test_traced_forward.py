@@ -247,6 +247,36 @@ def test_guards_of_a_deep_copy_hold():
     assert guards and all(g.holds() for g in guards)
 
 
+class _OptionalShift(ConvBn):
+
+    def forward(self, x, shift):
+        y = self.bn(self.conv(x))
+        return y if shift is None else y + shift
+
+
+class _PassesNone(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.block = _OptionalShift()
+
+    def forward(self, x, shift=None):
+        return self.block(x, shift)  # None given positionally
+
+
+def test_none_given_positionally_runs_the_modules_own_forward():
+    # the trace took shift for a tensor; called with None positionally it
+    # ran and raised (found by mutation testing: only keyword arguments
+    # were checked for None)
+    torch.manual_seed(0)
+    plain = _PassesNone().eval()
+    model = copy.deepcopy(plain)
+    (result, ) = apply_efficient_conv_bn_eval(model, 'block', fused)
+    assert result.fused_pairs == 1
+    x = torch.randn(2, 4, 5, 5)
+    assert torch.allclose(model(x), plain(x), rtol=1e-4, atol=1e-6)
+
+
 class _TypeSwitch(ConvBn):
     """Takes a tensor or a list of features (a neck's input)."""
 
