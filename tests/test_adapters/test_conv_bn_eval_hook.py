@@ -206,6 +206,9 @@ def test_applies_once_and_before_val_or_test():
     hook.before_test(runner)
     hook.before_train(runner)
     assert model.backbone.stem.forward == forward  # not traced again
+    # nor applied again: refused there as wrapped already, it reported 0
+    # pairs fused (found by mutation testing)
+    assert hook.results == [result]
     assert torch.allclose(model(x), expected, rtol=1e-4, atol=1e-6)
 
 

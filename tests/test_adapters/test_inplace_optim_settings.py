@@ -70,6 +70,10 @@ def _refusals():
                          'clip_grad.max_norm=inf'),
         'norm_type': (dict(clip_grad=dict(max_norm=1.0, norm_type=-2)), sgd,
                       'clip_grad.norm_type=-2'),
+        # torch's 0-"norm" counts the non-zero entries (found by mutation
+        # testing: 0 was accepted with a bound of >= 0)
+        'norm_type_zero': (dict(clip_grad=dict(max_norm=1.0, norm_type=0)),
+                           sgd, 'clip_grad.norm_type=0'),
         'norm_type_nan':
         (dict(clip_grad=dict(max_norm=1.0, norm_type=float('nan'))), sgd,
          'clip_grad.norm_type=nan'),

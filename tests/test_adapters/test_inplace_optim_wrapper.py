@@ -354,6 +354,25 @@ def test_static_loss_scale_stays():
     assert wrapper.loss_scaler.get_scale() == 8.0
 
 
+def test_static_loss_scale_stays_after_an_overflow():
+    # a step that overflows is skipped and the static scale kept, as
+    # MMEngine's AmpOptimWrapper keeps it; backed off to 256, the second
+    # step (finite at 256) was taken (found by mutation testing)
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1, bias=False)
+    before = model.weight.detach().clone()
+    wrapper = InplaceOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=dict(dtype='bfloat16', loss_scale=512.0))
+    big = torch.finfo(torch.float32).max / 300  # x512 overflows, x256 not
+    for _ in range(2):
+        with wrapper.optim_context(model):
+            loss = model(torch.ones(1, 2)).sum().float() * big
+        wrapper.update_params(loss)
+        assert wrapper.loss_scaler.get_scale() == 512.0
+    assert torch.equal(model.weight, before)
+
+
 @pytest.mark.parametrize('step_in_backward', [False, True])
 @pytest.mark.parametrize('value', [False, None, 0])
 def test_zeroed_gradients_are_refused_before_the_step(step_in_backward, value):
