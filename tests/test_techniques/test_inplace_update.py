@@ -324,37 +324,6 @@ class _StopGradientRead(nn.Module):
         return self.head(h.relu()).square().mean() + aux
 
 
-@pytest.mark.parametrize('read', ['detach', 'data'])
-def test_parameter_read_without_gradient_steps_after_the_backward(read):
-    # autograd orders a parameter's hook after the nodes that give it a
-    # gradient only: the stop-gradient read ran after the step, on the new
-    # weight (.detach(): autograd's in-place error; .data: other gradients,
-    # silently; found by a review). Such a parameter steps at the end
-    results = []
-    for in_backward in (False, True):
-        torch.manual_seed(0)
-        model = _StopGradientRead(read)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-        stepper = PerParameterStepper(optimizer) if in_backward else None
-        for i in range(3):
-            loss = model(
-                torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
-            if stepper is None:
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            else:
-                stepper.begin()
-                loss.backward()
-                stepper.end()
-                assert stepper.steps_taken == 4
-                assert all(p.grad is None for p in model.parameters())
-        results.append(model)
-    for (name, p), q in zip(results[0].named_parameters(),
-                            results[1].parameters()):
-        assert torch.equal(p, q), name
-
-
 class _OneStopGradientRead(nn.Module):
     """Reads ``w`` once without gradient, through one view of its storage
     (``_StopGradientRead`` makes two), before its own use."""
@@ -372,20 +341,26 @@ class _OneStopGradientRead(nn.Module):
         return (h * self.w).square().sum() + aux
 
 
+@pytest.mark.parametrize('model_cls',
+                         [_StopGradientRead, _OneStopGradientRead])
 @pytest.mark.parametrize('read', ['detach', 'data'])
-def test_parameter_read_once_without_gradient_steps_after_the_backward(read):
-    # the one view the read holds is a use of its own: counted as the
-    # parameter's own, w stepped in its hook, before the read (found by
-    # mutation testing)
+def test_parameter_read_without_gradient_steps_after_the_backward(
+        model_cls, read):
+    # autograd orders a parameter's hook after the nodes that give it a
+    # gradient only: the stop-gradient read ran after the step, on the new
+    # weight (.detach(): autograd's in-place error; .data: other gradients,
+    # silently; found by a review). Such a parameter steps at the end. One
+    # view of its storage is a use of its own, not the parameter's (found
+    # by mutation testing: counted as the parameter's, w stepped early)
     results = []
     for in_backward in (False, True):
         torch.manual_seed(0)
-        model = _OneStopGradientRead(read)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = model_cls(read)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         stepper = PerParameterStepper(optimizer) if in_backward else None
         for i in range(3):
             loss = model(
-                torch.randn(4, generator=torch.Generator().manual_seed(i)))
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
             if stepper is None:
                 loss.backward()
                 optimizer.step()
@@ -394,9 +369,12 @@ def test_parameter_read_once_without_gradient_steps_after_the_backward(read):
                 stepper.begin()
                 loss.backward()
                 stepper.end()
+                assert stepper.steps_taken == len(list(model.parameters()))
+                assert all(p.grad is None for p in model.parameters())
         results.append(model)
-    for p, q in zip(results[0].parameters(), results[1].parameters()):
-        assert torch.equal(p, q)
+    for (name, p), q in zip(results[0].named_parameters(),
+                            results[1].parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_deferred_parameters_do_not_step_after_a_failed_backward():
