@@ -28,8 +28,11 @@ def chain(*records):
         b.add_input(a)
 
 
-def test_dtr_prefers_cheap_large_stale_storages():
-    policy, clock = DTRPolicy(), 100
+@pytest.mark.parametrize('policy_cls', [DTRPolicy, LocalDTRPolicy])
+def test_dtr_prefers_cheap_large_stale_storages(policy_cls):
+    # dtr_local too: it drops only the neighbourhood (its staleness term
+    # could go unnoticed: mutation testing)
+    policy, clock = policy_cls(), 100
     cheap = record(1000, 10.0, 90)
     costly = record(1000, 1000.0, 90)
     small = record(10, 10.0, 90)
