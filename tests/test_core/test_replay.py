@@ -88,10 +88,12 @@ class _Evictions(Evictor):
         self.thrashing = thrashing
 
 
-def _evictions_with_a_memo(sqrt_sampling, limit, thrashing):
-    evictions = _Evictions(sqrt_sampling, limit, thrashing)
+def _candidates(evictions, n):
+    """``n`` resident, recomputable candidates of 1 KiB, used at clock 0 to
+    ``n - 1``, each held only through an engine alias, as the engine holds
+    them (R3)."""
     records = []
-    for clock in range(6):
+    for clock in range(n):
         alias = torch.empty(2**10, dtype=torch.uint8)
         storage = alias.untyped_storage()
         rec = StorageRecord(storage.nbytes(), storage.device, clock)
@@ -102,6 +104,12 @@ def _evictions_with_a_memo(sqrt_sampling, limit, thrashing):
         del alias, storage
         evictions._add_candidate(rec)
         records.append(rec)
+    return records
+
+
+def _evictions_with_a_memo(sqrt_sampling, limit, thrashing):
+    evictions = _Evictions(sqrt_sampling, limit, thrashing)
+    records = _candidates(evictions, 6)
     kept = records[0]  # the least recently used: LRU's first choice
     storage = kept.views[None].untyped_storage()
     evictions.rebuilt = {(kept, 0): [storage, 2]}  # read twice more
@@ -135,6 +143,15 @@ def test_what_a_rebuild_keeps_goes_first_unless_it_thrashes(limit, thrashing):
     assert evictions._evict_one()
     assert not evictions.rebuilt and evictions.evictions == 0
     assert evictions._evict_one() and kept.cand_index < 0  # then LRU's
+
+
+def test_sqrt_sampling_draws_from_every_candidate():
+    # about sqrt(N) drawn from all N: drawn from the first sqrt(N) only, the
+    # choices never reached the rest (found by mutation testing)
+    evictions = _Evictions(True, 2**20, False)
+    records = _candidates(evictions, 100)
+    picked = {records.index(evictions._choose(())) for _ in range(50)}
+    assert max(picked) >= 10 and len(picked) > 1
 
 
 def _saved_fibonacci_step(x, w, s, links):
@@ -183,6 +200,25 @@ def test_a_real_rebuild_that_thrashes_keeps_what_it_reads_again(
     assert torch.equal(s.grad, grads_ref[1])
     assert any(thrashed)
     assert 0 < engine.stats.recomputations <= most
+
+
+def test_stats_count_replayed_ops():
+    # DTRStats.ops: the ops run in scope plus the ops replayed (found by
+    # mutation testing: the replays were not counted)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        for _ in range(6)
+    ])
+    x = torch.randn(16, 64)
+    stats = []
+    for threshold in (2**40, 1):
+        with DTR(eviction_threshold=threshold, evictee_minimum_size=1) as e:
+            net(x).square().sum().backward()
+        stats.append(e.stats)
+    kept, evicted = stats
+    assert kept.recomputations == 0 < evicted.recomputations
+    assert evicted.ops >= kept.ops + evicted.recomputations
 
 
 @pytest.mark.parametrize('links', ['plain', 'residual'])
