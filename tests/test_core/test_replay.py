@@ -154,6 +154,23 @@ def test_sqrt_sampling_draws_from_every_candidate():
     assert max(picked) >= 10 and len(picked) > 1
 
 
+def test_ties_go_to_the_candidate_scored_first():
+    # as EvictionPolicy.score says (found by mutation testing: ties going to
+    # the last one scored went unnoticed)
+    evictions = _Evictions(False, 2**20, False)
+    for rec in _candidates(evictions, 3):
+        rec.last_access = 5  # the same LRU score
+    assert evictions._choose(()) is evictions.candidates[0]
+
+
+def test_a_raised_limit_is_the_threshold_again_once_memory_is_at_it():
+    # memory at the threshold is within it (found by mutation testing: <
+    # for <= went unnoticed)
+    evictions = _Evictions(False, 5 * 2**20, False)
+    evictions.lower_limit(evictions.threshold)
+    assert evictions.limit == evictions.threshold
+
+
 def _saved_fibonacci_step(x, w, s, links):
     """A chain where each link is read by the next two ops and saved
     (multiplied by ``s``, a scalar that requires grad), beside 20 MiB held
