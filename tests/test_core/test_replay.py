@@ -1,6 +1,7 @@
 """Replay: a rebuild reuses what it rebuilt while it is read again, lets
 it go at its last read, and under memory pressure gives it back when
-nothing else can go."""
+nothing else can go; and the eviction choice it meets (sampling, ties, the
+limit raised over an unreachable threshold, the stats it counts)."""
 import random
 
 import pytest
