@@ -10,6 +10,7 @@ count in between.
 import torch
 
 from mmdtr.errors import MmdtrError
+from .allocation_failures import watch_allocation_failures
 from .arguments import argument_storages, sparse_parts
 from .cuda_meter import READ_EVERY_OPS, CudaAllocatedBytes, read_guard
 from .op_semantics import op_info
@@ -74,6 +75,7 @@ class Accounting:
         self.device, self.cuda = device, device.type == 'cuda'
         if self.cuda:  # memory_allocated, cheaply and rarely (R11)
             self.start_cuda_meter(CudaAllocatedBytes(device))
+            watch_allocation_failures()  # the size of a failure (R15)
 
     def start_cuda_meter(self, meter):
         """Meter with ``meter`` (``read()`` returns bytes, ``peak`` is its

@@ -6,7 +6,8 @@ holds the state, its records and the dispatch hot path; the state's
 accounting, eviction, recipe, replay, saved-tensor and in-place write
 methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
 :mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors`, :mod:`.writes` and
-:mod:`.foreign_memory`. The rules cited as R1..R14 are in docs/design.md.
+:mod:`.foreign_memory` (and :mod:`.allocation_failures`, R15). The rules
+cited as R1..R15 are in docs/design.md.
 """
 import contextlib
 import os
@@ -336,7 +337,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         return new
 
     def _run(self, func, args, kwargs, rng=None, unlocked=False):
-        """Run an op; on CUDA, evict and retry while it runs out of memory.
+        """Run an op; on CUDA, evict and retry while it runs out of memory
+        (R15).
 
         A random op that failed may have advanced its generator: the retry
         starts again from ``rng``, the state of its first try (R6).
@@ -354,7 +356,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 finally:
                     lock.acquire()
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError
-                if not self.cuda or not self._evict_one():
+                if not self.cuda or not self._evict_for_allocation():
                     raise
                 if rng is not None:
                     self._set_rng(rng)

@@ -2,13 +2,30 @@
 
 The eviction half of :class:`~mmdtr.core.engine.EngineState` (one state
 object per engine; this mixin only groups its methods). Rules R3, R8 and
-R11 (the limit in force) of docs/design.md.
+R11 (the limit in force) and R15 (allocation failures) of docs/design.md.
 """
 import torch
 
+from .allocation_failures import (bytes_needed, cheapest_contiguous_run,
+                                  segments_for, take_failed_request)
 from .torch_compat import STORAGE_OBJECT_USES
 
 _use_count = torch._C._storage_Use_Count
+
+
+def _exclusive(rec) -> bool:
+    """Only the engine's aliases and the storage's own Python object (alive
+    while it is) reference it (R3); ``cdata`` is None once freed, by a
+    collection during a search too."""
+    return rec.cdata is not None and _use_count(
+        rec.cdata) == len(rec.views) + STORAGE_OBJECT_USES
+
+
+def _address(rec):
+    """The data pointer of a resident record's storage (no reference to the
+    storage outlives the call: one would be a use on PyTorch 2.4, R3)."""
+    storage = rec.storage()
+    return None if storage is None else storage.data_ptr()
 
 
 class Evictor:
@@ -129,13 +146,49 @@ class Evictor:
         best, best_score = None, float('inf')
         for rec in pool:
             value = score(rec, clock)
-            # exclusive: only the engine's aliases and the storage's own
-            # Python object (alive while it is) reference it (R3); cdata is
-            # None once freed, by a collection during the search too
-            if value < best_score and rec.cdata is not None and _use_count(
-                    rec.cdata) == len(rec.views) + STORAGE_OBJECT_USES:
+            if value < best_score and _exclusive(rec):
                 best, best_score = rec, value
         return best
+
+    def _evict_for_allocation(self) -> bool:
+        """After a CUDA allocation failed: evict the candidates of a run of
+        adjacent blocks that, once free, serves it, else one storage as
+        :meth:`_evict_one` does; ``False`` when neither can (R15).
+
+        While a rebuild keeps a memo, :meth:`_evict_one` decides (R4).
+        """
+        failed = take_failed_request()
+        if failed is not None and not self.rebuilt:
+            run = self._contiguous_run(*failed)
+            if run:
+                evicted = self.evictions
+                for rec in run:
+                    # a collection may have freed one since (R12)
+                    if rec.cand_index >= 0 and _exclusive(rec):
+                        self._evict(rec)
+                if self.evictions > evicted:
+                    return True
+        return self._evict_one()
+
+    def _contiguous_run(self, device: int, reported: int):
+        """The candidates to evict for a failed request of ``reported``
+        bytes on CUDA device ``device``, or ``None`` (R15)."""
+        need = bytes_needed(reported)
+        index = self.device.index
+        if index is None:
+            index = torch.cuda.current_device()
+        if need is None or device != index:
+            return None
+        score, clock, evictable = self.policy.score, self.clock, {}
+        for rec in list(self.candidates):  # a collection may drop some
+            if _exclusive(rec):
+                address = _address(rec)
+                if address is not None:
+                    evictable[address] = (score(rec, clock), rec)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        segments = segments_for(torch.cuda.memory_snapshot(), index, stream,
+                                evictable)
+        return cheapest_contiguous_run(segments, need)
 
     def _evict(self, rec):
         self._drop_candidate(rec)
