@@ -323,6 +323,27 @@ def test_the_hint_is_logged_when_training_starts(tmp_path, make_cfg,
     assert seen == [torch.device('cpu')]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('conf, hinted', [(None, True),
+                                          ('expandable_segments:True', False)])
+def test_training_on_cuda_logs_the_hint_unless_segments_expand(
+        tmp_path, make_cfg, monkeypatch, conf, hinted):
+    for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
+        monkeypatch.delenv(name, raising=False)
+    if conf is not None:  # read by the hint; the allocator read it before
+        monkeypatch.setenv('PYTORCH_CUDA_ALLOC_CONF', conf)
+    runner = MMDTRRunner.from_cfg(
+        make_cfg(tmp_path, dtr=DTR_CFG, log_level='INFO'))
+    runner.train()
+    assert next(runner.model.parameters()).is_cuda
+    with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
+        text = f.read()
+    assert text.count('fits larger batches with PYTORCH_CUDA_ALLOC_CONF='
+                      'expandable_segments:True') == int(hinted)
+    assert runner.message_hub.get_scalar(
+        'train/dtr_evictions').data[0], 'not trained under DTR'
+
+
 @pytest.mark.parametrize('threshold', ['1KB', '1TB'])
 def test_a_threshold_not_held_is_logged_once(tmp_path, make_cfg, threshold):
     # below what must stay resident the step slows and the only sign was a

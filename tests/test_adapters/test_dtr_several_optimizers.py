@@ -207,13 +207,15 @@ def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
     assert len(evictions) == 2 and min(evictions) > 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason='the CPU path')
-def test_separate_ddp_with_two_optimizers_under_dtr_on_cpu(
-        single_rank_env, tmp_path, toy_runner_cfg):
+def test_separate_ddp_with_two_optimizers_under_dtr(single_rank_env,
+                                                    tmp_path, toy_runner_cfg):
     # MMEngine's MMSeparateDistributedDataParallel passed CUDA device_ids to
-    # each sub-module's DDP and failed on CPU; a run per rank is bit for bit
-    # the same steps as one process (a gloo group of one here; two processes
-    # were checked by an adversarial search)
+    # each sub-module's DDP and failed on CPU, where mmdtr's takes its
+    # place; on CUDA MMEngine's own runs (nccl). A run per rank is bit for
+    # bit the same steps as one process (a group of one here; two
+    # processes on CPU were checked by an adversarial search)
+    from mmengine.model import MMSeparateDistributedDataParallel
+
     from mmdtr.adapters.distributed import MMDTRSeparateDistributedDataParallel
     run = functools.partial(_train_gan, toy_runner_cfg, tmp_path)
     plain = run('plain')
@@ -222,7 +224,9 @@ def test_separate_ddp_with_two_optimizers_under_dtr_on_cpu(
         dtr=DTR_CFG,
         launcher='pytorch',
         model_wrapper_cfg=dict(type='MMSeparateDistributedDataParallel'))
-    assert type(dtr.model) is MMDTRSeparateDistributedDataParallel
+    assert type(dtr.model) is (MMSeparateDistributedDataParallel
+                               if torch.cuda.is_available() else
+                               MMDTRSeparateDistributedDataParallel)
     # each sub-module is wrapped: 'generator.module.0.0.weight'
     state = {
         name.replace('.module.', '.'): value

@@ -6,6 +6,7 @@ Skipped without CUDA (CI has none); run on a GPU machine with
 bit-exactness runs in test_equivalence.py.
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -120,6 +121,62 @@ def test_eviction_on_allocation_failure_without_threshold(
     assert under_cap[3].threshold is None
     assert under_cap[3].evictions > 0 and under_cap[3].recomputations > 0
     _assert_same(base, under_cap)
+
+
+def _adjacent_exps(p, n):
+    """``n`` outputs of ``p.exp()`` in one segment, one after another: the
+    allocator splits the free segment a freed buffer of their size left."""
+    buffer = torch.empty(n * p.numel(), device=CUDA)
+    del buffer
+    outs = [p.exp() for _ in range(n)]  # exp saves its output
+    nbytes = p.numel() * p.element_size()
+    offsets = [t.data_ptr() - outs[0].data_ptr() for t in outs]
+    assert offsets == [i * nbytes for i in range(n)], offsets
+    return outs
+
+
+def _fragmenting_step(p, cap=None):
+    """Four outputs adjacent, the second and fourth held from Python, then
+    two adjacent; a request of two outputs' size under ``cap(room)``."""
+    a = _adjacent_exps(p, 4)
+    b = _adjacent_exps(p, 2)
+    losses = [t.sum() for t in a + b]  # LRU's order: a0, a2, b0, b1
+    held = a[1], a[3]
+    del a, b
+    if cap is not None:
+        cap(torch.cuda.memory_reserved(CUDA) + p.numel() * p.element_size())
+    wide = torch.cat([p, p])  # two outputs' size, in one block
+    losses.append(wide.sum())
+    del wide
+    return torch.stack(losses).sum(), held
+
+
+def test_a_failed_allocation_evicts_a_run_of_adjacent_blocks(
+        deterministic, memory_fraction):
+    # R15: evicting in LRU's order, a0 and a2 went first, in vain, as each
+    # lies between blocks in use; then b0 and b1. The run b0, b1 serves the
+    # request. (Expandable segments lay blocks out otherwise.)
+    conf = os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '').replace(' ', '')
+    if 'expandable_segments:true' in conf.lower():
+        pytest.skip('expandable segments')
+    torch.manual_seed(0)
+    p = torch.randn(2**22, device=CUDA, requires_grad=True)  # 16 MiB
+    loss, _ = _fragmenting_step(p)
+    loss.backward()
+    grad_ref, p.grad = p.grad, None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    with DTR(eviction_threshold=None, policy='lru') as engine:
+        dtr_loss, held = _fragmenting_step(
+            p, cap=lambda room: memory_fraction(room / total))
+        forward = engine.stats
+        memory_fraction(1.0)
+        dtr_loss.backward()
+    assert forward.evictions == 2, forward  # one by one: 4
+    assert engine.stats.recomputations == 2
+    assert torch.equal(dtr_loss, loss) and torch.equal(p.grad, grad_ref)
+    del held
 
 
 def test_cpu_code_on_a_cuda_machine_is_metered_on_cpu():
