@@ -207,8 +207,8 @@ def test_runner_with_dtr_key_and_two_optimizers(tmp_path, toy_runner_cfg):
     assert len(evictions) == 2 and min(evictions) > 0
 
 
-def test_separate_ddp_with_two_optimizers_under_dtr(single_rank_env,
-                                                    tmp_path, toy_runner_cfg):
+def test_separate_ddp_with_two_optimizers_under_dtr(single_rank_env, tmp_path,
+                                                    toy_runner_cfg):
     # MMEngine's MMSeparateDistributedDataParallel passed CUDA device_ids to
     # each sub-module's DDP and failed on CPU, where mmdtr's takes its
     # place; on CUDA MMEngine's own runs (nccl). A run per rank is bit for
