@@ -7,6 +7,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmdtr.core import allocation_failures, eviction
 from mmdtr.core.allocation_failures import (bytes_needed,
@@ -55,6 +57,54 @@ def test_free_neighbours_count_and_the_fewest_bytes_go():
     ])
 def test_no_run_when_none_helps(segments):
     assert _run(segments, 32) is None
+
+
+def _every_window(segments, need):
+    """(highest weight, bytes evicted) of the best window by brute force;
+    ``None`` where free blocks alone span ``need`` or no window does."""
+    best = None
+    for blocks in segments:
+        for i in range(len(blocks)):
+            for j in range(i, len(blocks)):
+                window = blocks[i:j + 1]
+                if any(w == HELD for _, w, _ in window):
+                    break
+                if sum(size for size, _, _ in window) < need:
+                    continue
+                key = (max(w for _, w, _ in window),
+                       sum(size for size, w, _ in window if w > FREE))
+                if key[0] == FREE:
+                    return None
+                best = key if best is None else min(best, key)
+    return best
+
+
+_blocks = st.lists(
+    st.tuples(
+        st.integers(1, 6), st.sampled_from([FREE, HELD, 1.0, 2.0, 3.0, 4.0])),
+    min_size=1,
+    max_size=7)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(_blocks, max_size=4), st.integers(1, 16))
+def test_the_run_is_the_best_window_by_brute_force(layout, need):
+    segments, weights = [], {}
+    for blocks in layout:
+        segment = []
+        for size, weight in blocks:
+            name = None if weight in (FREE, HELD) else len(weights)
+            if name is not None:
+                weights[name] = (weight, size)
+            segment.append((size, weight, name))
+        segments.append(segment)
+    run = cheapest_contiguous_run(segments, need)
+    expected = _every_window(segments, need)
+    if expected is None:
+        assert run is None
+    else:
+        assert run and (max(weights[n][0] for n in run),
+                        sum(weights[n][1] for n in run)) == expected
 
 
 def test_the_reported_size_is_what_a_free_block_must_hold():
