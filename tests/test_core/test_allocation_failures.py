@@ -103,8 +103,9 @@ def test_the_run_is_the_best_window_by_brute_force(layout, need):
     if expected is None:
         assert run is None
     else:
-        assert run and (max(weights[n][0] for n in run),
-                        sum(weights[n][1] for n in run)) == expected
+        assert run
+        highest = max(weights[n][0] for n in run)
+        assert (highest, sum(weights[n][1] for n in run)) == expected
 
 
 def test_the_reported_size_is_what_a_free_block_must_hold():
