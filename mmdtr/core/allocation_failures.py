@@ -14,9 +14,15 @@ observer, the layout from its snapshot, both read only when an allocation
 fails (never on the hot path, R1), and the engine evicts the candidates of
 one run of adjacent blocks that, once free, is large enough: the run whose
 highest policy score is lowest, then the one that frees fewest bytes (rule
-R15 of docs/design.md). Everything here is pure but the two readers.
+R15 of docs/design.md). The planner (:func:`segments_for`,
+:func:`bytes_needed`, :func:`cheapest_contiguous_run`) is pure; the rest
+reads the observer, the snapshot and the allocator's settings, which
+decide whether the planner's model of the allocator holds.
 """
+import inspect
 import math
+import os
+import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,13 +33,16 @@ import torch
 #: segment, and nothing is planned
 SMALL_SIZE = 2**20
 #: what the observer reports for a request of 1 to 10 MiB (a new 20 MiB
-#: segment, ``kLargeBuffer``); any free block of ``MIN_LARGE_ALLOC`` serves
-#: such a request
+#: segment, ``kLargeBuffer``), and for one of 18 to 20 MiB (rounded up to
+#: 2 MiB, as every request of 10 MiB or more is)
 LARGE_BUFFER = 20 * 2**20
 MIN_LARGE_ALLOC = 10 * 2**20
+#: the allocator's message for a request it could not serve
+FAILED_REQUEST_TEXT = 'Tried to allocate'
 
 _failures = threading.local()  # the size of this thread's last failure
-_watching = []  # the observer, once attached (one per process)
+_watching = []  # True once the observer is attached, False if it cannot be
+_attach_lock = threading.Lock()
 
 #: A block as the planner sees it: its size, its weight (``-inf`` free,
 #: ``inf`` held, else its candidate's score) and its candidate (or None).
@@ -45,15 +54,26 @@ def watch_allocation_failures() -> bool:
     failed CUDA allocation in the thread that asked for it.
 
     Returns:
-        bool: Whether failures are watched (``False`` on a PyTorch build
-        without CUDA's observer).
+        bool: Whether failures are watched: not on a PyTorch build without
+        the observer, nor with an allocator other than the native caching
+        one (``cudaMallocAsync``, a pluggable one), which refuses it and
+        whose layout the planner does not know.
     """
-    if not _watching:
-        attach = getattr(torch._C, '_cuda_attach_out_of_memory_observer', None)
-        if attach is None:
-            return False
+    with _attach_lock:
+        if not _watching:
+            _watching.append(_attach())
+    return _watching[0]
+
+
+def _attach() -> bool:
+    attach = getattr(torch._C, '_cuda_attach_out_of_memory_observer', None)
+    backend = getattr(torch.cuda, 'get_allocator_backend', lambda: 'native')
+    if attach is None or backend() != 'native':
+        return False
+    try:
         attach(_note_failure)
-        _watching.append(_note_failure)
+    except RuntimeError:  # an allocator that takes no observer
+        return False
     return True
 
 
@@ -62,22 +82,66 @@ def _note_failure(device, alloc_size, allowed, device_free):
     _failures.last = (int(device), int(alloc_size))
 
 
-def take_failed_request() -> Optional[Tuple[int, int]]:
-    """``(device index, bytes reported)`` of this thread's last failed
-    allocation, or ``None``; forgotten once taken."""
+def take_failed_request(error: BaseException) -> Optional[Tuple[int, int]]:
+    """``(device index, bytes reported)`` of the failed allocation that
+    raised ``error``, or ``None``; forgotten once taken.
+
+    The observer notes every failure, those something else catches too
+    (cuDNN's convolutions catch their workspace's); the one noted last is
+    ``error``'s when ``error`` is the allocator's own, which names the
+    request, and none is taken for any other.
+    """
     last = getattr(_failures, 'last', None)
     _failures.last = None
-    return last
+    return last if FAILED_REQUEST_TEXT in str(error) else None
 
 
-def bytes_needed(reported: int) -> Optional[int]:
-    """The size of a free large-pool block that serves a failed request
-    the observer reported as ``reported`` bytes (the size of the segment
-    the allocator would have made), or ``None`` for a small-pool request.
+def planning_applies(device: int) -> bool:
+    """Whether the planner's model of the allocator holds on ``device``
+    now: not while a CUDA graph is captured (a private pool serves it), nor
+    with ``max_split_size_mb`` set (the allocator then refuses to split
+    large free blocks, which the planner does not model)."""
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
+        if 'max_split_size_mb' in os.environ.get(name, ''):
+            return False
+    return True
+
+
+_SNAPSHOT_TAKES_TRACES = 'include_traces' in inspect.signature(
+    torch.cuda.memory_snapshot).parameters
+
+
+def allocator_snapshot() -> Optional[list]:
+    """``torch.cuda.memory_snapshot()`` without its trace entries where
+    this PyTorch can leave them out, or ``None`` if it cannot be read."""
+    try:
+        if _SNAPSHOT_TAKES_TRACES:
+            return torch.cuda.memory_snapshot(include_traces=False)
+        return torch.cuda.memory_snapshot()
+    except RuntimeError:
+        return None
+
+
+def bytes_needed(reported: int, largest_free: int) -> Optional[int]:
+    """The size of a free large-pool block that serves a failed request.
+
+    Args:
+        reported (int): The size the observer reported (of the segment the
+            allocator would have made).
+        largest_free (int): The largest free block of the pool: the request
+            is larger, or it would have been served.
+
+    Returns:
+        int | None: ``None`` for a small-pool request. A report of 20 MiB is
+        a request of 1 to 10 MiB, or of 18 to 20 MiB: 20 MiB where a free
+        block of 10 MiB failed to serve it, else 10 (if that does not
+        serve it, the next failure finds 10 MiB free and plans for 20).
     """
     if reported <= 2 * SMALL_SIZE:
         return None
-    if reported == LARGE_BUFFER:
+    if reported == LARGE_BUFFER and largest_free < MIN_LARGE_ALLOC:
         return MIN_LARGE_ALLOC
     return reported
 
@@ -93,7 +157,8 @@ def segments_for(snapshot: Sequence[dict], device: int, stream: int,
         stream (int): Its stream (``cuda_stream``): a block is reused on
             the stream it was allocated on only.
         evictable (dict): Address of an evictable storage -> its score and
-            its record.
+            its record (a score of ``inf`` for an address two storages
+            share: kept).
 
     Returns:
         list[list[Block]]: One list per segment of the device's default
@@ -114,15 +179,26 @@ def segments_for(snapshot: Sequence[dict], device: int, stream: int,
             size, state = block['size'], block['state']
             if state == 'inactive':
                 blocks.append((size, -math.inf, None))
-            elif state == 'active_allocated' and address in evictable \
-                    and evictable[address][0] == evictable[address][0]:
-                score, rec = evictable[address]  # (not NaN: never evicted)
-                blocks.append((size, score, rec))
+            elif state == 'active_allocated' and address in evictable:
+                score, rec = evictable[address]
+                # NaN: never evicted; -inf: the lowest, not free
+                blocks.append((size, math.inf, None) if score != score else (
+                    size, max(score, -_HIGHEST), rec))
             else:  # in use, or freed but awaiting another stream
                 blocks.append((size, math.inf, None))
             address += size
         segments.append(blocks)
     return segments
+
+
+_HIGHEST = sys.float_info.max
+
+
+def largest_free_block(segments: List[List[Block]]) -> int:
+    """The largest free block (adjacent free blocks are merged)."""
+    return max((size for blocks in segments
+                for size, weight, _ in blocks if weight == -math.inf),
+               default=0)
 
 
 def _runs(segments: List[List[Block]], limit: float):

@@ -355,8 +355,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                     return func(*args, **kwargs)
                 finally:
                     lock.acquire()
-            except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError
-                if not self.cuda or not self._evict_for_allocation():
+            except torch.cuda.OutOfMemoryError as error:  # (R15)
+                if not self.cuda or not self._evict_for_allocation(error):
                     raise
                 if rng is not None:
                     self._set_rng(rng)

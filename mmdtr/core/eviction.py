@@ -4,10 +4,14 @@ The eviction half of :class:`~mmdtr.core.engine.EngineState` (one state
 object per engine; this mixin only groups its methods). Rules R3, R8 and
 R11 (the limit in force) and R15 (allocation failures) of docs/design.md.
 """
+import math
+
 import torch
 
-from .allocation_failures import (bytes_needed, cheapest_contiguous_run,
-                                  segments_for, take_failed_request)
+from .allocation_failures import (allocator_snapshot, bytes_needed,
+                                  cheapest_contiguous_run, largest_free_block,
+                                  planning_applies, segments_for,
+                                  take_failed_request)
 from .torch_compat import STORAGE_OBJECT_USES
 
 _use_count = torch._C._storage_Use_Count
@@ -150,14 +154,15 @@ class Evictor:
                 best, best_score = rec, value
         return best
 
-    def _evict_for_allocation(self) -> bool:
-        """After a CUDA allocation failed: evict the candidates of a run of
-        adjacent blocks that, once free, serves it, else one storage as
-        :meth:`_evict_one` does; ``False`` when neither can (R15).
+    def _evict_for_allocation(self, error) -> bool:
+        """After a CUDA allocation failed (``error``): evict the candidates
+        of a run of adjacent blocks that, once free, serves it, else one
+        storage as :meth:`_evict_one` does; ``False`` when neither can
+        (R15).
 
         While a rebuild keeps a memo, :meth:`_evict_one` decides (R4).
         """
-        failed = take_failed_request()
+        failed = take_failed_request(error)
         if failed is not None and not self.rebuilt:
             run = self._contiguous_run(*failed)
             if run:
@@ -173,22 +178,27 @@ class Evictor:
     def _contiguous_run(self, device: int, reported: int):
         """The candidates to evict for a failed request of ``reported``
         bytes on CUDA device ``device``, or ``None`` (R15)."""
-        need = bytes_needed(reported)
         index = self.device.index
         if index is None:
             index = torch.cuda.current_device()
-        if need is None or device != index:
+        if device != index or not planning_applies(index):
             return None
         score, clock, evictable = self.policy.score, self.clock, {}
         for rec in list(self.candidates):  # a collection may drop some
             if _exclusive(rec):
                 address = _address(rec)
                 if address is not None:
-                    evictable[address] = (score(rec, clock), rec)
+                    # two storages over one address (R14): neither goes
+                    evictable[address] = (math.inf, None) if (
+                        address in evictable) else (score(rec, clock), rec)
+        snapshot = allocator_snapshot()
+        if snapshot is None:
+            return None
         stream = torch.cuda.current_stream(index).cuda_stream
-        segments = segments_for(torch.cuda.memory_snapshot(), index, stream,
-                                evictable)
-        return cheapest_contiguous_run(segments, need)
+        segments = segments_for(snapshot, index, stream, evictable)
+        need = bytes_needed(reported, largest_free_block(segments))
+        return None if need is None else cheapest_contiguous_run(
+            segments, need)
 
     def _evict(self, rec):
         self._drop_candidate(rec)
