@@ -24,6 +24,7 @@ from typing import Mapping, Optional, Union
 from mmengine.hooks import Hook
 from mmengine.runner import BaseLoop
 
+from mmdtr.core.allocation_failures import allocator_settings
 from mmdtr.dtr import DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
@@ -34,9 +35,6 @@ from .dtr_model_wrapper import DTRDistributedDataParallel
 from .dtr_train_step import DTRTrainStep, dtr_settings, model_device
 
 KEY = 'dtr'
-
-#: where PyTorch reads its CUDA allocator's settings, when CUDA starts
-ALLOC_CONF_VARS = ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF')
 
 
 def expandable_segments_hint(device,
@@ -53,10 +51,8 @@ def expandable_segments_hint(device,
     """
     if device is None or 'cuda' not in str(device):
         return None
-    for name in ALLOC_CONF_VARS:
-        conf = environ.get(name, '').replace(' ', '').lower()
-        if 'expandable_segments:true' in conf:
-            return None
+    if 'expandable_segments:true' in allocator_settings(environ):
+        return None
     return ('mmdtr: DTR on CUDA fits larger batches with '
             'PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before '
             'the process starts: the default allocator fragments (ResNet-50 '

@@ -6,8 +6,8 @@ or the card) leaves room for one; on failure it gives back the segments
 that are wholly free and tries once more. Evicting storages one by one in
 the policy's order frees blocks wherever they lie: next to blocks still in
 use they merge with nothing, so memory is freed and the request still
-fails (ResNet-50 at 224x224 on an emulated 11 GB card failed with 3 to 5
-GiB reserved but free; docs/dtr.md, "CUDA").
+fails (ResNet-50 at 224x224 on an emulated 11 GB card failed with 3.1 to
+5.5 GiB reserved but free; docs/dtr.md, "CUDA").
 
 Here the failed request's size comes from the allocator's out-of-memory
 observer, the layout from its snapshot, both read only when an allocation
@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,6 +96,18 @@ def take_failed_request(error: BaseException) -> Optional[Tuple[int, int]]:
     return last if FAILED_REQUEST_TEXT in str(error) else None
 
 
+#: where PyTorch reads its CUDA allocator's settings, when CUDA starts
+ALLOC_CONF_VARS = ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF')
+
+
+def allocator_settings(environ: Mapping[str, str] = os.environ) -> str:
+    """The CUDA allocator's settings in ``environ``, lower-cased and
+    without spaces (``'expandable_segments:true,...'``)."""
+    return ','.join(
+        environ.get(name, '').replace(' ', '').lower()
+        for name in ALLOC_CONF_VARS)
+
+
 def planning_applies(device: int) -> bool:
     """Whether the planner's model of the allocator holds on ``device``
     now: not while a CUDA graph is captured (a private pool serves it), nor
@@ -103,10 +115,7 @@ def planning_applies(device: int) -> bool:
     large free blocks, which the planner does not model)."""
     if torch.cuda.is_current_stream_capturing():
         return False
-    for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
-        if 'max_split_size_mb' in os.environ.get(name, ''):
-            return False
-    return True
+    return 'max_split_size_mb' not in allocator_settings()
 
 
 _SNAPSHOT_TAKES_TRACES = 'include_traces' in inspect.signature(

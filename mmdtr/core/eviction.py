@@ -37,9 +37,10 @@ class Evictor:
 
     Reads the state's ``candidates``, ``policy``, ``clock``, ``limit``,
     ``threshold``, ``min_size``, ``sqrt_sampling``, ``_sampler``,
-    ``rebuilt``, ``classes`` and accounting (``memory_in_use``); sets
-    ``limit``, ``evictions`` and ``eviction_failures``, and changes
-    ``candidates`` and ``rebuilt`` in place.
+    ``rebuilt``, ``classes``, ``device`` and accounting
+    (``memory_in_use``); sets ``limit``, ``evictions`` and
+    ``eviction_failures``, and changes ``candidates`` and ``rebuilt`` in
+    place.
     """
 
     def _add_candidate(self, rec):

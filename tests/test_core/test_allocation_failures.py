@@ -17,7 +17,7 @@ from mmdtr.core.allocation_failures import (bytes_needed,
                                             cheapest_contiguous_run,
                                             segments_for)
 from mmdtr.core.eviction import _address
-from .test_replay import _candidates, _Evictions
+from .eviction_stubs import EvictionsStub, make_candidates
 
 MiB = 2**20
 FREE, HELD = -math.inf, math.inf
@@ -175,18 +175,20 @@ def test_segments_of_the_default_large_pool_on_the_stream():
     assert segments_for([kept] + others, 0, 0, evictable) == [expected]
 
 
-def test_planning_needs_the_allocator_it_models(monkeypatch):
+@pytest.mark.parametrize('variable', allocation_failures.ALLOC_CONF_VARS)
+def test_planning_needs_the_allocator_it_models(monkeypatch, variable):
     capturing = []
     monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing',
                         lambda: bool(capturing))
-    for name in ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF'):
+    for name in allocation_failures.ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, 'expandable_segments: False')
     assert allocation_failures.planning_applies(0)
     capturing.append(True)  # a CUDA graph's private pool serves it
     assert not allocation_failures.planning_applies(0)
     capturing.clear()
     # large free blocks are not split then (found by a review)
-    monkeypatch.setenv('PYTORCH_CUDA_ALLOC_CONF', 'max_split_size_mb:128')
+    monkeypatch.setenv(variable, 'max_split_size_mb: 128')
     assert not allocation_failures.planning_applies(0)
 
 
@@ -219,9 +221,9 @@ def failed_allocation(monkeypatch):
 
 
 def _evictions(n):
-    evictions = _Evictions(False, None, False)
+    evictions = EvictionsStub(False, None, False)
     evictions.device = torch.device('cuda', 0)
-    records = _candidates(evictions, n)
+    records = make_candidates(evictions, n)
     for rec in records:  # as the engine's accounting refers to them
         rec.wref = weakref.ref(rec.views[None].untyped_storage())
     return evictions, records
@@ -337,10 +339,31 @@ def test_a_snapshot_that_cannot_be_read_plans_nothing(monkeypatch):
     assert evictions.evictions == 1 and records[0].cand_index < 0
 
 
+def test_a_failure_on_another_device_plans_nothing(failed_allocation):
+    evictions, records = _evictions(4)
+    failed_allocation(32 * MiB, [_layout(records[:2]), _layout(records[2:])])
+    allocation_failures._note_failure(1, 32 * MiB, 0, 0)  # cuda:1
+    assert evictions._evict_for_allocation(OOM)
+    assert [rec.cand_index < 0 for rec in records] == [True] + [False] * 3
+
+
+def test_a_run_seen_from_python_before_its_eviction_falls_back(monkeypatch):
+    # exclusive when planned, held from Python when evicted: kept (R3)
+    evictions, records = _evictions(2)
+    allocation_failures._note_failure(0, 32 * MiB, 0, 0)
+    monkeypatch.setattr(
+        type(evictions), '_contiguous_run',
+        lambda self, device, reported: [records[1]])
+    pinned = records[1].views[None].view(-1)
+    assert evictions._evict_for_allocation(OOM)
+    assert records[0].cand_index < 0 and records[1].cand_index >= 0
+    del pinned
+
+
 def test_a_run_freed_before_its_eviction_falls_back(monkeypatch):
     evictions, records = _evictions(2)
     allocation_failures._note_failure(0, 32 * MiB, 0, 0)
-    gone = _candidates(evictions, 1)[0]
+    gone = make_candidates(evictions, 1)[0]
     evictions._drop_candidate(gone)  # as _on_free drops a freed one
     monkeypatch.setattr(
         type(evictions), '_contiguous_run',

@@ -6,12 +6,12 @@ Skipped without CUDA (CI has none); run on a GPU machine with
 bit-exactness runs in test_equivalence.py.
 """
 import copy
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 
+from mmdtr.core.allocation_failures import allocator_settings
 from mmdtr.core.cuda_meter import CudaAllocatedBytes
 from mmdtr.core.engine import EngineState
 from mmdtr.core.policies import build_policy
@@ -159,8 +159,7 @@ def test_a_failed_allocation_evicts_a_run_of_adjacent_blocks(
     # R15: evicting in LRU's order, a0 and a2 went first, in vain, as each
     # lies between blocks in use; then b0 and b1. The run b0, b1 serves the
     # request. (Expandable segments lay blocks out otherwise.)
-    conf = os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '').replace(' ', '')
-    if 'expandable_segments:true' in conf.lower():
+    if 'expandable_segments:true' in allocator_settings():
         pytest.skip('expandable segments')
     torch.manual_seed(0)
     p = torch.randn(2**24, device=CUDA, requires_grad=True)  # 64 MiB

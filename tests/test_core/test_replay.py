@@ -2,15 +2,12 @@
 it go at its last read, and under memory pressure gives it back when
 nothing else can go; and the eviction choice it meets (sampling, ties, the
 limit raised over an unreachable threshold, the stats it counts)."""
-import random
-
 import pytest
 import torch
 
 from mmdtr.core.eviction import Evictor
-from mmdtr.core.policies import LRUPolicy
-from mmdtr.core.records import StorageRecord
 from mmdtr.dtr import DTR
+from .eviction_stubs import EvictionsStub, make_candidates
 
 
 def _fibonacci_step(x, links):
@@ -78,39 +75,9 @@ def test_what_a_rebuild_keeps_goes_first_under_pressure():
     assert engine.stats.peak_memory <= 7 * 2**20
 
 
-class _Evictions(Evictor):
-    """The eviction half of an engine alone, over records made by hand."""
-
-    def __init__(self, sqrt_sampling, limit, thrashing):
-        self.candidates, self.rebuilt, self.evictions = [], None, 0
-        self.policy, self.clock, self.min_size = LRUPolicy(), 100, 1
-        self.sqrt_sampling, self._sampler = sqrt_sampling, random.Random(0)
-        self.classes, self.threshold, self.limit = False, 2**20, limit
-        self.thrashing = thrashing
-
-
-def _candidates(evictions, n):
-    """``n`` resident, recomputable candidates of 1 KiB, used at clock 0 to
-    ``n - 1``, each held only through an engine alias, as the engine holds
-    them (R3)."""
-    records = []
-    for clock in range(n):
-        alias = torch.empty(2**10, dtype=torch.uint8)
-        storage = alias.untyped_storage()
-        rec = StorageRecord(storage.nbytes(), storage.device, clock)
-        rec.cdata, rec.lo = storage._cdata, 0  # resident, recomputable
-        # the engine's alias, the storage's only use but its object's (R3):
-        # a storage object a test holds is one more use on PyTorch 2.4
-        rec.views[None] = alias
-        del alias, storage
-        evictions._add_candidate(rec)
-        records.append(rec)
-    return records
-
-
 def _evictions_with_a_memo(sqrt_sampling, limit, thrashing):
-    evictions = _Evictions(sqrt_sampling, limit, thrashing)
-    records = _candidates(evictions, 6)
+    evictions = EvictionsStub(sqrt_sampling, limit, thrashing)
+    records = make_candidates(evictions, 6)
     kept = records[0]  # the least recently used: LRU's first choice
     storage = kept.views[None].untyped_storage()
     evictions.rebuilt = {(kept, 0): [storage, 2]}  # read twice more
@@ -149,8 +116,8 @@ def test_what_a_rebuild_keeps_goes_first_unless_it_thrashes(limit, thrashing):
 def test_sqrt_sampling_draws_from_every_candidate():
     # about sqrt(N) drawn from all N: drawn from the first sqrt(N) only, the
     # choices never reached the rest (found by mutation testing)
-    evictions = _Evictions(True, 2**20, False)
-    records = _candidates(evictions, 100)
+    evictions = EvictionsStub(True, 2**20, False)
+    records = make_candidates(evictions, 100)
     picked = {records.index(evictions._choose(())) for _ in range(50)}
     assert max(picked) >= 10 and len(picked) > 1
 
@@ -158,8 +125,8 @@ def test_sqrt_sampling_draws_from_every_candidate():
 def test_ties_go_to_the_candidate_scored_first():
     # as EvictionPolicy.score says (found by mutation testing: ties going to
     # the last one scored went unnoticed)
-    evictions = _Evictions(False, 2**20, False)
-    for rec in _candidates(evictions, 3):
+    evictions = EvictionsStub(False, 2**20, False)
+    for rec in make_candidates(evictions, 3):
         rec.last_access = 5  # the same LRU score
     assert evictions._choose(()) is evictions.candidates[0]
 
@@ -167,7 +134,7 @@ def test_ties_go_to_the_candidate_scored_first():
 def test_a_raised_limit_is_the_threshold_again_once_memory_is_at_it():
     # memory at the threshold is within it (found by mutation testing: <
     # for <= went unnoticed)
-    evictions = _Evictions(False, 5 * 2**20, False)
+    evictions = EvictionsStub(False, 5 * 2**20, False)
     evictions.lower_limit(evictions.threshold)
     assert evictions.limit == evictions.threshold
 
@@ -238,7 +205,8 @@ def test_stats_count_replayed_ops():
     assert kept.recomputations == 0 < evicted.recomputations
     # PyTorch 2.13: 106 and 150, with 44 recomputations; 2.4: 119 and 151
     # with 44 (ops in scope and ops replayed not told apart there), so the
-    # bound is the kept step's count: without the replays, 106 and 106
+    # bound is the kept step's count: without the replays, 106 and 106. A
+    # weak bound: it holds with one replayed op counted
     assert evicted.ops > kept.ops
 
 
