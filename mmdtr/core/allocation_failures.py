@@ -39,6 +39,7 @@ LARGE_BUFFER = 20 * 2**20
 MIN_LARGE_ALLOC = 10 * 2**20
 #: the allocator's message for a request it could not serve
 FAILED_REQUEST_TEXT = 'Tried to allocate'
+_HIGHEST = sys.float_info.max  # a candidate's score of -inf becomes -this
 
 _failures = threading.local()  # the size of this thread's last failure
 _watching = []  # True once the observer is attached, False if it cannot be
@@ -198,9 +199,6 @@ def segments_for(snapshot: Sequence[dict], device: int, stream: int,
             address += size
         segments.append(blocks)
     return segments
-
-
-_HIGHEST = sys.float_info.max
 
 
 def largest_free_block(segments: List[List[Block]]) -> int:
