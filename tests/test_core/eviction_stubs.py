@@ -2,6 +2,7 @@
 tests of the eviction choice (test_replay.py, test_allocation_failures.py).
 """
 import random
+import weakref
 
 import torch
 
@@ -24,13 +25,14 @@ class EvictionsStub(Evictor):
 def make_candidates(evictions, n):
     """``n`` resident, recomputable candidates of 1 KiB, used at clock 0 to
     ``n - 1``, each held only through an engine alias, as the engine holds
-    them (R3)."""
+    them (R3), and weakly referred to as its accounting does."""
     records = []
     for clock in range(n):
         alias = torch.empty(2**10, dtype=torch.uint8)
         storage = alias.untyped_storage()
         rec = StorageRecord(storage.nbytes(), storage.device, clock)
         rec.cdata, rec.lo = storage._cdata, 0  # resident, recomputable
+        rec.wref = weakref.ref(storage)
         # the engine's alias, the storage's only use but its object's (R3):
         # a storage object a test holds is one more use on PyTorch 2.4
         rec.views[None] = alias

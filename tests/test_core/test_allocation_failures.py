@@ -5,7 +5,6 @@ addresses are read). The CUDA run is in test_cuda.py."""
 import math
 import sys
 import threading
-import weakref
 
 import pytest
 import torch
@@ -223,10 +222,7 @@ def failed_allocation(monkeypatch):
 def _evictions(n):
     evictions = EvictionsStub(False, None, False)
     evictions.device = torch.device('cuda', 0)
-    records = make_candidates(evictions, n)
-    for rec in records:  # as the engine's accounting refers to them
-        rec.wref = weakref.ref(rec.views[None].untyped_storage())
-    return evictions, records
+    return evictions, make_candidates(evictions, n)
 
 
 def test_a_failed_allocation_evicts_the_run_that_serves_it(failed_allocation):
@@ -330,11 +326,9 @@ def test_other_allocators_are_not_watched(monkeypatch, attach, backend):
     assert not _observer_attached(monkeypatch, attach, backend)
 
 
-def test_a_snapshot_that_cannot_be_read_plans_nothing(monkeypatch):
+def test_a_snapshot_that_cannot_be_read_plans_nothing(failed_allocation):
     evictions, records = _evictions(2)
-    allocation_failures._note_failure(0, 32 * MiB, 0, 0)
-    monkeypatch.setattr(eviction, 'allocator_snapshot', lambda: None)
-    monkeypatch.setattr(eviction, 'planning_applies', lambda index: True)
+    failed_allocation(32 * MiB, None)
     assert evictions._evict_for_allocation(OOM)
     assert evictions.evictions == 1 and records[0].cand_index < 0
 
