@@ -12,11 +12,12 @@ Examples:
     ...     model(x).sum().backward()
     >>> engine.stats.evictions
 
-Assigning a switch validates its value at once; assigning any other public
-name that the module does not define (a misspelt switch, ``dtr.policy``)
-raises :class:`~mmdtr.errors.MmdtrError`, and the switches cannot be
-deleted. Names the module defines or imports (``enable``, ``DTR``, ...) can
-still be replaced, e.g. by ``monkeypatch.setattr``.
+Assigning a switch validates its value at once; assigning any other name
+that the module does not define (a misspelt switch, ``dtr.policy``, a
+private ``_name`` too; dunder names aside) raises
+:class:`~mmdtr.errors.MmdtrError`, and the switches cannot be deleted.
+Names the module defines or imports (``enable``, ``DTR``, ...) can still
+be replaced, e.g. by ``monkeypatch.setattr``.
 """
 import difflib
 import sys

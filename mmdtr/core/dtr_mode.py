@@ -64,7 +64,9 @@ class DTRStats:
         recomputations (int): Storages rebuilt by replay.
         remat_seconds (float): Host time spent rebuilding saved tensors.
         eviction_failures (int): Times nothing evictable was left while
-            memory was above the threshold.
+            memory was above the limit in force: the threshold, or, after
+            a failure, memory in use plus an eighth of it (R11), so memory
+            may stay above the threshold with no further failure counted.
         ops (int): The engine's clock: ops run in scope that completed
             (``set_`` included; not calls on tensor subclasses), plus ops
             replayed to rebuild storages.
