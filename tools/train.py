@@ -25,7 +25,7 @@ from mmdtr.adapters.runner_config_checks import (amp_convertible,
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
                                      read_config)
-from mmdtr.utils.module_names import check_module_names
+from mmdtr.utils.module_names import check_module_names, selecting_hooks
 from mmdtr.utils.work_dirs import check_work_dir
 
 
@@ -182,6 +182,9 @@ def main(argv=None):
                 cfg, strict=args.check_config and args.launcher == 'none')
         if args.check_config:
             print(f'mmdtr: {args.config} checked: the config, its mmdtr '
+                  'keys and the arguments are accepted; no module names to '
+                  'check.' if not selecting_hooks(cfg) else
+                  f'mmdtr: {args.config} checked: the config, its mmdtr '
                   'keys, the arguments and the module names are accepted.'
                   if unchecked is None else
                   f'mmdtr: {args.config} checked: the config, its mmdtr '

@@ -1,6 +1,7 @@
 """The config checks of :class:`~mmdtr.adapters.runner.MMDTRRunner`: the
-runner type, the optimizer wrappers and their optimizers' types, AMP on a
-machine without CUDA, and distributed training on a CPU-only machine.
+runner and model types, the optimizer wrappers and their optimizers' types,
+AMP on a machine without CUDA, and distributed training on a CPU-only
+machine.
 
 Each ``@config_check`` runs when the config is translated, before the
 runner and its work dir are built: MMEngine would meet these settings only
@@ -14,7 +15,7 @@ from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
                              is_npu_available)
 
 from mmdtr.errors import MmdtrError
-from mmdtr.registry import OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
+from mmdtr.registry import MODELS, OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
 from .config_translation import (check_scoped_type, config_check, mmdtr_only,
                                  refuse_unless_dict)
 from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
@@ -101,7 +102,11 @@ def _other_scope(name: str, scope) -> bool:
             or scope) not in (None, 'mmdtr', 'mmengine')
 
 
-def refuse_unregistered(where: str, name, registry, default_scope) -> None:
+def refuse_unregistered(where: str,
+                        name,
+                        registry,
+                        default_scope,
+                        list_parent: bool = True) -> None:
     """Refuse a type name of mmdtr's or MMEngine's scope (or of none) that
     neither registers: MMEngine's builder failed on it in ``runner.train()``
     or when the runner was built, in a traceback (``KeyError: 'X is not in
@@ -115,20 +120,29 @@ def refuse_unregistered(where: str, name, registry, default_scope) -> None:
         registry (Registry): mmdtr's registry of that kind (its parent is
             MMEngine's).
         default_scope (str | None): The config's ``default_scope``.
+        list_parent (bool): List MMEngine's names in the hint too (the
+            closest match is sought among both either way). Defaults to
+            True; models: False, as mmcv adds its layers to MMEngine's.
 
     Raises:
         MmdtrError: On such a name, with the closest registered one.
     """
-    if not isinstance(name, str) or registry.get(name) is not None \
-            or _other_scope(name, default_scope):
+    if not isinstance(name, str) or _other_scope(name, default_scope):
+        return
+    scope, key = registry.split_scope_key(name)
+    # 'mmdtr.X' of MMEngine's X: MMEngine's builder goes to mmdtr's
+    # registry, then its parent; registry.get stops at mmdtr's
+    if registry.get(key if scope == registry.scope else name) is not None:
         return
     known = sorted({*registry.module_dict, *registry.parent.module_dict})
     close = difflib.get_close_matches(
         name.rpartition('.')[2], known, n=1, cutoff=0.6)
+    listed = f'registered: {known}' if list_parent else (
+        f"mmdtr's: {sorted(registry.module_dict)}")
     raise MmdtrError(
         f'{where}={name!r} is not registered.',
         hint=(f'closest match: {close[0]!r}; ' if close else '') +
-        f'registered: {known}.')
+        f'{listed}.')
 
 
 @config_check
@@ -150,6 +164,34 @@ def check_runner_type(cfg, custom_hooks: list) -> None:
             "or leave it out: tools/train.py builds mmdtr's runner.")
     refuse_unregistered('runner_type', runner_type, RUNNERS,
                         cfg.get('default_scope', None))
+
+
+@config_check
+def check_model_type(cfg, custom_hooks: list) -> None:
+    """Check ``model.type``: a name of mmdtr's or MMEngine's scope that is
+    not registered failed when the runner built the model, after its work
+    dir was made, in a traceback, and ``--check-config`` passed it when no
+    module name made it build the model (found by a review of the docs).
+
+    Raises:
+        MmdtrError: On a model config without a type, or a type name of
+            mmdtr's or MMEngine's scope that is not registered
+            (``ResNetClasifier``).
+    """
+    model = cfg.get('model', None)
+    if not isinstance(model, dict):
+        return  # a module, or none: the runner says
+    if model.get('type', None) is None:
+        raise MmdtrError(
+            f'model={model!r} has no type.',
+            hint="name the model to build, e.g. model=dict("
+            "type='ResNetClassifier', depth=50, num_classes=1000).")
+    refuse_unregistered(
+        'model.type',
+        model['type'],
+        MODELS,
+        cfg.get('default_scope', None),
+        list_parent=False)
 
 
 @config_check

@@ -31,6 +31,16 @@ _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 
 
+def selecting_hooks(cfg) -> list:
+    """The configs of mmdtr's hooks in ``cfg.custom_hooks`` that select
+    modules by name (those of :data:`SELECTING_KEYS`)."""
+    names = [MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
+    return [
+        h for h in cfg.get('custom_hooks') or ()
+        if isinstance(h, dict) and hook_name(h) in names
+    ]
+
+
 def check_module_names(cfg, strict: bool = False) -> Optional[str]:
     """Run the module-name checks of the config's selecting hooks.
 
@@ -64,11 +74,7 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
             (``activation_checkpointing=backbone.layr2``), the two cannot
             apply together, or the model cannot be built (see above).
     """
-    names = [MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
-    selecting = [
-        HOOKS.build(copy.deepcopy(h)) for h in cfg.get('custom_hooks') or ()
-        if isinstance(h, dict) and hook_name(h) in names
-    ]
+    selecting = [HOOKS.build(copy.deepcopy(h)) for h in selecting_hooks(cfg)]
     if not selecting:
         return None
     model = cfg.get('model')

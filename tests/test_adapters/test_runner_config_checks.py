@@ -11,8 +11,8 @@ from mmdtr.errors import MmdtrError
 @pytest.fixture
 def make_cfg(toy_runner_cfg, tmp_path):
 
-    def make(**keys):
-        return toy_runner_cfg(tmp_path, 'LinearToyModel', 'RangeToyDataset',
+    def make(model='LinearToyModel', **keys):
+        return toy_runner_cfg(tmp_path, model, 'RangeToyDataset',
                               'runner_config_checks', **keys)
 
     return make
@@ -38,10 +38,19 @@ def make_cfg(toy_runner_cfg, tmp_path):
          r'of SGD.*belong to optim_wrapper itself'),
         (dict(optimizer=dict(type='SGD', lr=0.1, momentm=0.9)),
          'rename momentm to momentum'),
+        # a KeyError when the runner built the model, after its work dir;
+        # --check-config passed it (found by a review of the docs)
+        (dict(model=dict(type='LinearToyModl')),
+         r"model.type='LinearToyModl' is not registered.*closest match: "
+         r"'LinearToyModel'; mmdtr's: \[.*'ResNetClassifier'"),
+        (dict(model=dict(type='mmengine.LinearToyModl')),
+         r"model.type='mmengine.LinearToyModl' is not registered"),
+        (dict(model=dict(depth=50)), r"model=\{'depth': 50\} has no type"),
     ],
     ids=[
         'runner_typo', 'runner_scoped_typo', 'runner_int', 'optimizer_typo',
-        'optimizer_scoped_typo', 'optimizer_wrapper_key', 'optimizer_arg_typo'
+        'optimizer_scoped_typo', 'optimizer_wrapper_key', 'optimizer_arg_typo',
+        'model_typo', 'model_scoped_typo', 'model_without_type'
     ])
 def test_unregistered_types_are_refused_before_the_runner(
         keys, match, make_cfg, tmp_path):
@@ -65,6 +74,13 @@ def test_unregistered_types_are_refused_before_the_runner(
         dict(optimizer=dict(type='mmdet.AnyOptimizer', lr=0.1)),
         dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9, nesterov=True)),
         dict(optimizer=dict(type='ZeroRedundancyOptimizer', lr=0.1, any=1)),
+        # MMEngine's, by mmdtr's scope: its builder finds them in mmdtr's
+        # registry's parent (the check refused them)
+        dict(model=dict(type='mmdtr.LinearToyModel')),
+        dict(runner_type='mmdtr.Runner'),
+        dict(optimizer=dict(type='mmdtr.SGD', lr=0.1)),
+        dict(model=dict(type='mmpretrain.ImageClassifier')),  # MMEngine's
+        dict(model=dict(type='ImageClassifier'), default_scope='mmpretrain'),
     ])
 def test_registered_types_and_other_scopes_pass(keys, make_cfg):
     translate_memory_keys(make_cfg(**keys))

@@ -133,8 +133,12 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
     [
         (['train_cfg.max_iters'], 'KEY=VALUE'),
         (['train_cfg.max_iters.x=1'], 'cannot be merged'),
+        # the reason was dropped, and no full stop before the hint (found
+        # by a new-user walkthrough)
         (['custom_imports.imports=[no_such_module_xyz]'
-          ], 'cannot be imported'),
+          ], r'cannot be imported: Failed to import no_such_module_xyz '
+         r"\(ModuleNotFoundError: No module named 'no_such_module_xyz'\)\. "
+         'Hint:'),
         (['custom_imports=3'], 'custom_imports=3'),
         # MMEngine's DictAction: a RecursionError and an AssertionError
         # (the first, with no word of recursion: it said nothing to a user)
@@ -292,7 +296,12 @@ def test_check_config_checks_and_starts_nothing(train_tool, toy_config,
     common = [toy_config, '--work-dir', str(work_dir), '--check-config']
     options = ['--cfg-options', 'custom_imports.imports=[toy_classifier]']
     assert train_tool.main(common + options) is None
-    assert 'checked: the config, its mmdtr keys' in capsys.readouterr().out
+    # it said the module names were accepted where none were given
+    assert 'accepted; no module names to check.' in capsys.readouterr().out
+    assert train_tool.main(common + options +
+                           ['activation_checkpointing=conv']) is None
+    assert 'the arguments and the module names are accepted.' in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit) as info:  # a module name, on the model
         train_tool.main(common + options + ['activation_checkpointing=nope'])
     assert info.value.code == 1
@@ -304,8 +313,10 @@ def test_check_config_with_a_model_it_cannot_build(train_tool, toy_config,
                                                    capsys):
     # it said the module names were accepted, unchecked (a review); under a
     # launcher a model may need the process group, so the ranks check them
+    # (a type that is not registered is refused before, by its name)
     options = [
-        '--cfg-options', 'model.type=NoSuchModel', 'activation_checkpointing=x'
+        '--cfg-options', 'model.no_such_argument=1',
+        'activation_checkpointing=x'
     ]
     with pytest.raises(SystemExit):
         train_tool.main([toy_config, '--check-config', *options])
@@ -314,4 +325,4 @@ def test_check_config_with_a_model_it_cannot_build(train_tool, toy_config,
         [toy_config, '--check-config', '--launcher', 'pytorch', *options])
     out = capsys.readouterr().out
     assert 'the module names are checked when training starts' in out
-    assert 'NoSuchModel' in out
+    assert 'no_such_argument' in out
