@@ -25,7 +25,7 @@ from mmengine.hooks import Hook
 from mmengine.runner import BaseLoop
 
 from mmdtr.core.allocation_failures import allocator_settings
-from mmdtr.dtr import DTRStats
+from mmdtr.dtr import POLICIES, DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
 from .config_translation import (check_registered_type, check_scoped_type,
@@ -87,18 +87,20 @@ def translate_dtr(value) -> dict:
         >>> # from the command line
         >>> # --cfg-options dtr.eviction_threshold=3GB
     """
-    settings = dtr_settings(value, KEY)
-    if not isinstance(settings.get('policy', 'dtr'), str):
-        # the config dump failed on it, in a raw traceback after the work
-        # dir was made (found by an adversarial search)
+    if isinstance(value, Mapping) and \
+            not isinstance(value.get('policy', 'dtr'), str):
+        # the config dump failed on an object, in a raw traceback after the
+        # work dir was made (found by an adversarial search); checked
+        # before the engine's own, whose hint offers an EvictionPolicy
+        # object (found by a review of the docs)
         raise MmdtrError(
-            f"{KEY}.policy={settings['policy']!r} is not accepted in a "
-            'config: it is written to the work dir, which takes names, not '
-            'objects.',
+            f"{KEY}.policy={value['policy']!r} is not accepted in a "
+            f'config: it is written to the work dir, which takes names '
+            f'({sorted(POLICIES)} or one registered), not objects.',
             hint='register the class with mmdtr.dtr.register_policy (in a '
             "module the config's custom_imports imports) and give its "
             'name.')
-    return dict(type='mmdtr.DTRHook', **settings)
+    return dict(type='mmdtr.DTRHook', **dtr_settings(value, KEY))
 
 
 def _compile_refused(compiled) -> MmdtrError:

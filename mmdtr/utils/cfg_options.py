@@ -131,7 +131,10 @@ def merge_cfg_options(cfg: Config, options: dict) -> None:
     try:
         import_modules_from_strings(**custom_imports)
     except ImportError as e:
+        # MMEngine's error names the module; why is in the one it chains
+        cause = e.__cause__ or e.__context__
+        reason = f' ({type(cause).__name__}: {cause})' if cause else ''
         raise MmdtrError(
             f"custom_imports.imports={custom_imports['imports']!r} cannot be "
-            f'imported: {e}',
+            f"imported: {str(e).rstrip('.')}{reason}.",
             hint='check the module names and PYTHONPATH.') from e

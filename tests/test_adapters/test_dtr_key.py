@@ -7,6 +7,7 @@ import torch
 from mmengine.config import Config
 
 from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
+from mmdtr.core.policies import LRUPolicy
 from mmdtr.core.sizes import parse_size
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -68,6 +69,15 @@ def test_translate_accepted(value, hook_cfg):
          "dtr.policy='lrux' is not an eviction policy; accepted: ['dtr', "
          "'dtr_local', 'largest', 'lru'], closest match: 'lru'. Hint: a "
          'policy of your own is accepted by the name it was registered'),
+        # written to the work dir, which takes names; an object that is no
+        # policy got the engine's hint, which offers a policy object
+        # (found by a new-user walkthrough)
+        (dict(eviction_threshold='1GB', policy=LRUPolicy()),
+         "is not accepted in a config: it is written to the work dir, "
+         "which takes names (['dtr', 'dtr_local', 'largest', 'lru'] or one "
+         'registered), not objects. Hint: register the class'),
+        (dict(eviction_threshold='1GB',
+              policy=object()), 'is not accepted in a config'),
     ])
 def test_translate_rejects(value, text):
     with pytest.raises(MmdtrError) as info:
