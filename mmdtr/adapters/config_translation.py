@@ -264,7 +264,7 @@ def check_scoped_type(where: str, entry: dict, registry,
     if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
         return
     if mmdtr_only(registry, name) and \
-            _scope_registry(registry, scope).get(name) is None:
+            scope_registry(registry, scope).get(name) is None:
         where_scope = f'scope {scope!r}' if scope else \
             "scope (no default_scope: MMEngine's)"
         raise MmdtrError(
@@ -309,7 +309,7 @@ def _check_type_value(where: str, name) -> None:
         hint="e.g. type='mmdtr.DTRHook' or type='OptimWrapper'.")
 
 
-def _scope_registry(registry, scope):
+def scope_registry(registry, scope):
     """The registry MMEngine's builder looks a plain name up in under
     ``scope``, as its ``switch_scope_and_registry`` finds it: the scope's
     (a project built on mmdtr's registries finds mmdtr's names through its
@@ -344,8 +344,10 @@ def _check_hook_arguments(custom_hooks: list) -> None:
     """Build the keys' hooks given in ``custom_hooks`` once, to check their
     arguments now rather than when the runner is built."""
     for i, hook in enumerate(custom_hooks):
-        if hook_name(hook) not in MEMORY_KEY_HOOKS.values():
-            continue
+        if isinstance(hook, Hook) or \
+                hook_name(hook) not in MEMORY_KEY_HOOKS.values():
+            continue  # a hook object was checked when it was made (it
+            # raised a TypeError here; found by a review)
         cls = hook['type'] if isinstance(hook['type'], type) else \
             HOOKS.get(hook['type'])
         if cls is None:  # not mmdtr's: MMEngine will name it

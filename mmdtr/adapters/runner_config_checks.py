@@ -17,7 +17,7 @@ from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS, OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
 from .config_translation import (check_scoped_type, config_check, mmdtr_only,
-                                 refuse_unless_dict)
+                                 refuse_unless_dict, scope_registry)
 from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
@@ -106,7 +106,8 @@ def refuse_unregistered(where: str,
                         name,
                         registry,
                         default_scope,
-                        list_parent: bool = True) -> None:
+                        list_parent: bool = True,
+                        in_scope: bool = True):
     """Refuse a type name of mmdtr's or MMEngine's scope (or of none) that
     neither registers: MMEngine's builder failed on it in ``runner.train()``
     or when the runner was built, in a traceback (``KeyError: 'X is not in
@@ -119,21 +120,32 @@ def refuse_unregistered(where: str,
         name: The ``type`` given; only names (strings) are checked.
         registry (Registry): mmdtr's registry of that kind (its parent is
             MMEngine's).
-        default_scope (str | None): The config's ``default_scope``.
+        default_scope (str | None): The scope the name is built in: the
+            config's ``default_scope``, or the entry's ``_scope_``.
         list_parent (bool): List MMEngine's names in the hint too (the
             closest match is sought among both either way). Defaults to
             True; models: False, as mmcv adds its layers to MMEngine's.
+        in_scope (bool): Whether the builder runs under that scope, as the
+            runner builds models and optimizers (True), or before any
+            scope is set, from MMEngine's root registry, as a script builds
+            its runner (``runner_type``).
+
+    Returns:
+        The class (or function) MMEngine's builder will find, or None
+        when the name is not checked (a class given, another scope).
 
     Raises:
         MmdtrError: On such a name, with the closest registered one.
     """
     if not isinstance(name, str) or _other_scope(name, default_scope):
-        return
-    scope, key = registry.split_scope_key(name)
-    # 'mmdtr.X' of MMEngine's X: MMEngine's builder goes to mmdtr's
-    # registry, then its parent; registry.get stops at mmdtr's
-    if registry.get(key if scope == registry.scope else name) is not None:
-        return
+        return None
+    # looked up as MMEngine's builder does (switch_scope_and_registry, then
+    # get): 'mmdtr.X' of MMEngine's X resolves from MMEngine's root, not
+    # from mmdtr's registry (found by a review)
+    found = (scope_registry(registry, default_scope)
+             if in_scope else registry.parent).get(name)
+    if found is not None:
+        return found
     known = sorted({*registry.module_dict, *registry.parent.module_dict})
     close = difflib.get_close_matches(
         name.rpartition('.')[2], known, n=1, cutoff=0.6)
@@ -162,8 +174,12 @@ def check_runner_type(cfg, custom_hooks: list) -> None:
             'runner name or a runner class.',
             hint="e.g. runner_type='MMDTRRunner' (or 'mmdtr.MMDTRRunner'), "
             "or leave it out: tools/train.py builds mmdtr's runner.")
-    refuse_unregistered('runner_type', runner_type, RUNNERS,
-                        cfg.get('default_scope', None))
+    refuse_unregistered(
+        'runner_type',
+        runner_type,
+        RUNNERS,
+        cfg.get('default_scope', None),
+        in_scope=False)
 
 
 @config_check
@@ -186,11 +202,15 @@ def check_model_type(cfg, custom_hooks: list) -> None:
             f'model={model!r} has no type.',
             hint="name the model to build, e.g. model=dict("
             "type='ResNetClassifier', depth=50, num_classes=1000).")
+    default_scope = cfg.get('default_scope', None)
+    # an mmdtr model by its plain name outside mmdtr's scope: the message
+    # says where MMEngine looks (found by a review)
+    check_scoped_type('model', model, MODELS, default_scope)
     refuse_unregistered(
         'model.type',
         model['type'],
         MODELS,
-        cfg.get('default_scope', None),
+        model.get('_scope_', None) or default_scope,
         list_parent=False)
 
 
@@ -276,16 +296,14 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
     if isinstance(optimizer, dict):
         optimizer_type = optimizer.get('type', None)
         scope = optimizer.get('_scope_', None) or default_scope
-        refuse_unregistered('optim_wrapper.optimizer.type', optimizer_type,
-                            OPTIMIZERS, scope)
-        if inspect.isclass(optimizer_type):
-            _check_optimizer_arguments(optimizer, optimizer_type)
-        elif isinstance(optimizer_type,
-                        str) and not _other_scope(optimizer_type, scope):
-            # (another scope may register its own class by that name:
-            # found by a review)
-            _check_optimizer_arguments(optimizer,
-                                       OPTIMIZERS.get(optimizer_type))
+        # a class, or the one MMEngine's builder finds by that name (None
+        # for another scope's, which may register its own class by that
+        # name: found by a review)
+        cls = optimizer_type if inspect.isclass(optimizer_type) else \
+            refuse_unregistered('optim_wrapper.optimizer.type',
+                                optimizer_type, OPTIMIZERS, scope)
+        if cls is not None:
+            _check_optimizer_arguments(optimizer, cls)
 
 
 def _check_optimizer_arguments(optimizer: dict, cls) -> None:

@@ -13,6 +13,7 @@ import logging
 import types
 from typing import Optional
 
+from mmengine.hooks import Hook
 from mmengine.registry import MODELS, DefaultScope
 from mmengine.runner import get_priority
 from torch import nn
@@ -32,12 +33,13 @@ _SILENT.propagate = False
 
 
 def selecting_hooks(cfg) -> list:
-    """The configs of mmdtr's hooks in ``cfg.custom_hooks`` that select
-    modules by name (those of :data:`SELECTING_KEYS`)."""
+    """mmdtr's hooks in ``cfg.custom_hooks`` that select modules by name
+    (those of :data:`SELECTING_KEYS`): configs, or hook objects (a
+    config built in Python; they were skipped, found by a review)."""
     names = [MEMORY_KEY_HOOKS[key] for key in SELECTING_KEYS]
     return [
         h for h in cfg.get('custom_hooks') or ()
-        if isinstance(h, dict) and hook_name(h) in names
+        if isinstance(h, (dict, Hook)) and hook_name(h) in names
     ]
 
 
@@ -74,7 +76,10 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
             (``activation_checkpointing=backbone.layr2``), the two cannot
             apply together, or the model cannot be built (see above).
     """
-    selecting = [HOOKS.build(copy.deepcopy(h)) for h in selecting_hooks(cfg)]
+    selecting = [
+        copy.deepcopy(h) if isinstance(h, Hook) else HOOKS.build(
+            copy.deepcopy(h)) for h in selecting_hooks(cfg)
+    ]
     if not selecting:
         return None
     model = cfg.get('model')

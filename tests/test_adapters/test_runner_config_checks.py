@@ -46,11 +46,28 @@ def make_cfg(toy_runner_cfg, tmp_path):
         (dict(model=dict(type='mmengine.LinearToyModl')),
          r"model.type='mmengine.LinearToyModl' is not registered"),
         (dict(model=dict(depth=50)), r"model=\{'depth': 50\} has no type"),
+        # looked up as MMEngine's builder does (found by a review): under
+        # mmdtr's scope, 'mmdtr.X' is looked for in mmdtr's registry alone
+        (dict(default_scope='mmdtr', model=dict(type='mmdtr.LinearToyModel')),
+         r"model.type='mmdtr.LinearToyModel' is not registered"),
+        (dict(default_scope='mmdtr', optimizer=dict(type='mmdtr.SGD', lr=0.1)),
+         r"optimizer.type='mmdtr.SGD' is not registered"),
+        # mmdtr's model by its plain name, no default_scope: MMEngine's
+        # root registry does not have it
+        (dict(model=dict(type='ResNetClassifier', depth=18, num_classes=2)),
+         r"model: type='ResNetClassifier' is mmdtr's, but MMEngine's builder "
+         r'looks it up in the config.s scope \(no default_scope'),
+        # its arguments are checked on the class found (they were not)
+        (dict(optimizer=dict(type='mmdtr.SGD', lr=0.1, momentm=0.9)),
+         'rename momentm to momentum'),
     ],
     ids=[
         'runner_typo', 'runner_scoped_typo', 'runner_int', 'optimizer_typo',
         'optimizer_scoped_typo', 'optimizer_wrapper_key', 'optimizer_arg_typo',
-        'model_typo', 'model_scoped_typo', 'model_without_type'
+        'model_typo', 'model_scoped_typo', 'model_without_type',
+        'mmdtr_scoped_model_in_mmdtr_scope',
+        'mmdtr_scoped_optimizer_in_mmdtr_scope', 'mmdtr_model_unscoped',
+        'mmdtr_scoped_optimizer_arg_typo'
     ])
 def test_unregistered_types_are_refused_before_the_runner(
         keys, match, make_cfg, tmp_path):
@@ -81,6 +98,14 @@ def test_unregistered_types_are_refused_before_the_runner(
         dict(optimizer=dict(type='mmdtr.SGD', lr=0.1)),
         dict(model=dict(type='mmpretrain.ImageClassifier')),  # MMEngine's
         dict(model=dict(type='ImageClassifier'), default_scope='mmpretrain'),
+        dict(model=dict(type='AnyNet', _scope_='mmrazor')),  # MMEngine's
+        dict(
+            model=dict(type='ResNetClassifier', depth=18, num_classes=2),
+            default_scope='mmdtr'),
+        dict(
+            model=dict(type='mmdtr.ResNetClassifier', depth=18,
+                       num_classes=2)),
+        dict(model=dict(type='LinearToyModel', _scope_='mmdtr')),
     ])
 def test_registered_types_and_other_scopes_pass(keys, make_cfg):
     translate_memory_keys(make_cfg(**keys))

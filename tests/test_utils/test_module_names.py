@@ -5,9 +5,11 @@ import torch.nn as nn
 from mmengine.config import Config
 from mmengine.registry import MODELS
 
+from mmdtr.adapters.activation_checkpointing_hook import \
+    ActivationCheckpointingHook
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.errors import MmdtrError
-from mmdtr.utils.module_names import check_module_names
+from mmdtr.utils.module_names import check_module_names, selecting_hooks
 
 
 @MODELS.register_module(force=True)
@@ -180,3 +182,19 @@ def test_the_conv_of_a_fused_conv_module_is_refused_here():
             dict(type='_ConvModuleNet'),
             efficient_conv_bn_eval=['backbone'],
             activation_checkpointing=['backbone.0']))
+
+
+def test_a_hook_object_is_translated_and_its_names_checked():
+    # a config built in Python may hold hook objects, as MMEngine allows:
+    # the translation raised a TypeError on one of mmdtr's, and its names
+    # went unchecked (found by a review)
+    model = nn.Sequential(nn.Linear(4, 4))
+    cfg = _config(
+        model, custom_hooks=[ActivationCheckpointingHook(modules='0')])
+    assert check_module_names(cfg) is None
+    assert len(selecting_hooks(cfg)) == 1
+    with pytest.raises(MmdtrError, match="no sub-module .*'9'"):
+        check_module_names(
+            _config(
+                model,
+                custom_hooks=[ActivationCheckpointingHook(modules='9')]))
