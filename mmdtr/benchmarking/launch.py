@@ -11,15 +11,19 @@ Two launchers, same result (:func:`mmdtr.benchmarking.worker.run_spec`):
   modules on a machine with a GPU may initialize CUDA (seen with torch
   2.11), and a forked child then cannot use it.
 
-A child's stdout and stderr go to a log file per run. A run that dies (the
-kernel's OOM killer) or passes ``timeout`` seconds gets status
-``'killed'`` or ``'timeout'`` (a forked run that hands in its result
-within a grace period after the timeout keeps that result).
+A child's stdout and stderr go to a log file per run. A run killed by
+SIGKILL (the kernel's OOM killer) gets status ``'killed'``, one that dies
+otherwise without a result (a segfault, an abort, an exit) ``'crashed'``,
+and one that passes ``timeout`` seconds ``'timeout'`` (a forked run that
+hands in its result within a grace period after the timeout keeps that
+result). The largest-batch search reads ``'killed'`` as "does not fit" and
+stops at any other failure.
 """
 import json
 import multiprocessing
 import os
 import os.path as osp
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,6 +190,15 @@ class Launcher:
             peak_engine=None,
             peak_independent=None)
 
+    def _died(self, code) -> dict:
+        """A child that exited with ``code`` without a result: SIGKILL
+        (``-9``, the OOM killer) is ``'killed'``, anything else
+        ``'crashed'``: a segfault read as "does not fit" let the largest
+        batch search go on and report a smaller batch (a review)."""
+        if code == -signal.SIGKILL:
+            return self._failed('killed', f'exit code {code} (SIGKILL)')
+        return self._failed('crashed', f'exit code {code}')
+
     def _run_forked(self, spec: dict, log_path: str) -> dict:
         if self._context is None:
             self._context = multiprocessing.get_context('forkserver')
@@ -212,7 +225,7 @@ class Launcher:
             return result
         if timed_out:
             return self._failed('timeout', f'over {self.timeout} s')
-        return self._failed('killed', f'exit code {process.exitcode}')
+        return self._died(process.exitcode)
 
     def _run_subprocess(self, spec: dict, log_path: str) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
@@ -235,6 +248,6 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     return self._failed('timeout', f'over {self.timeout} s')
             if not osp.exists(result_path):
-                return self._failed('killed', f'exit code {code}')
+                return self._died(code)
             with open(result_path) as f:
                 return json.load(f)

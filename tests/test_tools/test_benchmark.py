@@ -9,13 +9,14 @@ import copy
 import json
 import os
 import os.path as osp
+import signal
 
 import pytest
 import torch
 
 from mmdtr.benchmarking import (NO_EVICTION, BenchmarkSuite, Launcher,
                                 Workload, apply_technique, block_names,
-                                checkpoint_segments, largest_fitting,
+                                checkpoint_segments, largest_fitting, launch,
                                 load_config, make_spec, run_spec, split_even)
 from mmdtr.benchmarking.launch import default_launcher
 from mmdtr.benchmarking.worker import RESULT_PREFIX
@@ -372,3 +373,22 @@ def test_largest_batch_settings_are_the_probes(tool, monkeypatch, device):
         probe = specs[technique]
         assert settings['probe_steps'][technique] == dict(
             warmup=probe['warmup'], steps=probe['steps'])
+
+
+@pytest.mark.parametrize('sig, status', [('SIGKILL', 'killed'),
+                                         ('SIGSEGV', 'crashed'),
+                                         ('SIGABRT', 'crashed')])
+def test_only_sigkill_reads_as_killed(tmp_path, monkeypatch, sig, status):
+    # any death without a result read as 'killed', which the largest-batch
+    # search takes for "does not fit": a segfault made it report a smaller
+    # batch (found by a review). A worker of its own that dies so
+    (tmp_path / 'dying_worker.py'
+     ).write_text(f'import os, signal\nos.kill(os.getpid(), signal.{sig})\n')
+    monkeypatch.setenv('PYTHONPATH', str(tmp_path))
+    monkeypatch.setattr(launch, '_WORKER', 'dying_worker')
+    result = Launcher('subprocess',
+                      str(tmp_path)).run(make_spec(RESNET, 'baseline', 1))
+    assert result['status'] == status, result
+    # the forked launcher reads the child's exit code the same way
+    died = Launcher('forkserver', '.')._died(-getattr(signal, sig))
+    assert died == {k: v for k, v in result.items() if k != 'log'}
