@@ -126,9 +126,12 @@ def refuse_unregistered(where: str,
             closest match is sought among both either way). Defaults to
             True; models: False, as mmcv adds its layers to MMEngine's.
         in_scope (bool): Whether the builder runs under that scope, as the
-            runner builds models and optimizers (True), or before any
-            scope is set, from MMEngine's root registry, as a script builds
-            its runner (``runner_type``).
+            runner builds models and optimizers (True), or as a script
+            builds its runner (``runner_type``; False): from MMEngine's
+            root registry before any scope is set, from another under one
+            set before (``init_default_scope``), so a name any of them
+            finds passes (the root alone refused a runner a script built;
+            found by a review).
 
     Returns:
         The class (or function) MMEngine's builder will find, or None
@@ -142,13 +145,19 @@ def refuse_unregistered(where: str,
     # looked up as MMEngine's builder does (switch_scope_and_registry, then
     # get): 'mmdtr.X' of MMEngine's X resolves from MMEngine's root, not
     # from mmdtr's registry (found by a review)
-    found = (scope_registry(registry, default_scope)
-             if in_scope else registry.parent).get(name)
-    if found is not None:
-        return found
+    scoped = scope_registry(registry, default_scope)
+    for lookup in (scoped, ) if in_scope else (registry.parent, registry,
+                                               scoped):
+        found = lookup.get(name)
+        if found is not None:
+            return found
     known = sorted({*registry.module_dict, *registry.parent.module_dict})
     close = difflib.get_close_matches(
         name.rpartition('.')[2], known, n=1, cutoff=0.6)
+    if close and scoped.get(close[0]) is None:
+        # mmdtr's alone, out of its scope: its scoped name is found (the
+        # plain one was refused next; found by a review)
+        close = [f'{registry.scope}.{close[0]}']
     listed = f'registered: {known}' if list_parent else (
         f"mmdtr's: {sorted(registry.module_dict)}")
     raise MmdtrError(
@@ -298,10 +307,16 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
         scope = optimizer.get('_scope_', None) or default_scope
         # a class, or the one MMEngine's builder finds by that name (None
         # for another scope's, which may register its own class by that
-        # name: found by a review)
+        # name: found by a review). The default constructor looks the name
+        # up in the config's scope, whatever the optimizer's _scope_, then
+        # builds it in its _scope_: both must find it (a review)
         cls = optimizer_type if inspect.isclass(optimizer_type) else \
             refuse_unregistered('optim_wrapper.optimizer.type',
-                                optimizer_type, OPTIMIZERS, scope)
+                                optimizer_type, OPTIMIZERS, default_scope)
+        if scope != default_scope and not inspect.isclass(optimizer_type):
+            # the class built, whose arguments count
+            cls = refuse_unregistered('optim_wrapper.optimizer.type',
+                                      optimizer_type, OPTIMIZERS, scope)
         if cls is not None:
             _check_optimizer_arguments(optimizer, cls)
 

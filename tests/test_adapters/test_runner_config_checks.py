@@ -2,10 +2,12 @@
 name of mmdtr's or MMEngine's scope failed in the runner's build or in
 ``runner.train()``, in a traceback, after the work dir was made."""
 import pytest
+import torch
 from mmengine.runner import Runner
 
 from mmdtr.adapters.config_translation import translate_memory_keys
 from mmdtr.errors import MmdtrError
+from mmdtr.registry import OPTIMIZERS, RUNNERS
 
 
 @pytest.fixture
@@ -128,3 +130,43 @@ def test_a_custom_constructor_reads_the_optimizer_its_own_way(make_cfg):
     cfg = make_cfg(optimizer=dict(type='NotAnOptimizer', lr=0.1))
     cfg.optim_wrapper.constructor = 'mmdet.LayerDecayConstructor'
     translate_memory_keys(cfg)
+
+
+@RUNNERS.register_module(force=True)
+class _RunnerOfMmdtrsAlone(Runner):
+    """A runner only mmdtr's registry has."""
+
+
+@OPTIMIZERS.register_module(force=True)
+class _OptimizerOfMmdtrsAlone(torch.optim.SGD):
+    """An optimizer only mmdtr's registry has."""
+
+
+def test_lookups_follow_mmengines_builders(make_cfg):
+    # found by a review: a runner only mmdtr's registry has, built by a
+    # script under mmdtr's scope, was refused (looked up in MMEngine's root
+    # alone)
+    translate_memory_keys(
+        make_cfg(default_scope='mmdtr', runner_type='_RunnerOfMmdtrsAlone'))
+    # the default constructor looks the optimizer up in the config's scope
+    # whatever its _scope_ (then builds it there): it failed in train()
+    with pytest.raises(
+            MmdtrError,
+            match="optimizer.type='_OptimizerOfMmdtrsAlone' is not "
+            "registered. Hint: closest match: "
+            "'mmdtr._OptimizerOfMmdtrsAlone'"):
+        translate_memory_keys(
+            make_cfg(
+                optimizer=dict(
+                    type='_OptimizerOfMmdtrsAlone', _scope_='mmdtr', lr=0.1)))
+    translate_memory_keys(
+        make_cfg(
+            optimizer=dict(
+                type='mmdtr._OptimizerOfMmdtrsAlone', _scope_='mmdtr',
+                lr=0.1)))
+    # the closest match is given as MMEngine finds it out of mmdtr's scope
+    # (the plain name was refused next)
+    with pytest.raises(
+            MmdtrError, match="closest match: 'mmdtr.ResNetClassifier'"):
+        translate_memory_keys(
+            make_cfg(model=dict(type='ResNetClasifier', depth=18)))
