@@ -12,8 +12,9 @@ Two launchers, same result (:func:`mmdtr.benchmarking.worker.run_spec`):
   2.11), and a forked child then cannot use it.
 
 A child's stdout and stderr go to a log file per run. A run killed by
-SIGKILL (the kernel's OOM killer) gets status ``'killed'``, one that dies
-otherwise without a result (a segfault, an abort, an exit) ``'crashed'``,
+SIGKILL (the kernel's OOM killer, systemd-oomd) or SIGTERM (earlyoom's
+first signal) gets status ``'killed'``, one that dies otherwise without a
+result (a segfault, an abort, an exit) ``'crashed'``,
 and one that passes ``timeout`` seconds ``'timeout'`` (a forked run that
 hands in its result within a grace period after the timeout keeps that
 result). The largest-batch search reads ``'killed'`` as "does not fit" and
@@ -191,12 +192,14 @@ class Launcher:
             peak_independent=None)
 
     def _died(self, code) -> dict:
-        """A child that exited with ``code`` without a result: SIGKILL
-        (``-9``, the OOM killer) is ``'killed'``, anything else
-        ``'crashed'``: a segfault read as "does not fit" let the largest
-        batch search go on and report a smaller batch (a review)."""
-        if code == -signal.SIGKILL:
-            return self._failed('killed', f'exit code {code} (SIGKILL)')
+        """A child that exited with ``code`` without a result: the signals
+        of out-of-memory killers (SIGKILL, SIGTERM) are ``'killed'``,
+        anything else ``'crashed'``: a segfault read as "does not fit" let
+        the largest batch search go on and report a smaller batch (a
+        review)."""
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            if code == -sig:
+                return self._failed('killed', f'exit code {code} ({sig.name})')
         return self._failed('crashed', f'exit code {code}')
 
     def _run_forked(self, spec: dict, log_path: str) -> dict:
