@@ -92,7 +92,7 @@ def translate_dtr(value) -> dict:
         # the config dump failed on an object, in a raw traceback after the
         # work dir was made (found by an adversarial search); checked
         # before the engine's own, whose hint offers an EvictionPolicy
-        # object (found by a review of the docs)
+        # object (found by a new-user walkthrough)
         raise MmdtrError(
             f"{KEY}.policy={value['policy']!r} is not accepted in a "
             f'config: it is written to the work dir, which takes names '

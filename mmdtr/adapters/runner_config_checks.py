@@ -196,7 +196,7 @@ def check_model_type(cfg, custom_hooks: list) -> None:
     """Check ``model.type``: a name of mmdtr's or MMEngine's scope that is
     not registered failed when the runner built the model, after its work
     dir was made, in a traceback, and ``--check-config`` passed it when no
-    module name made it build the model (found by a review of the docs).
+    module name made it build the model (found by a new-user walkthrough).
 
     Raises:
         MmdtrError: On a model config without a type, or a type name of

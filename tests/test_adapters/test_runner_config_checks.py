@@ -41,7 +41,7 @@ def make_cfg(toy_runner_cfg, tmp_path):
         (dict(optimizer=dict(type='SGD', lr=0.1, momentm=0.9)),
          'rename momentm to momentum'),
         # a KeyError when the runner built the model, after its work dir;
-        # --check-config passed it (found by a review of the docs)
+        # --check-config passed it (found by a new-user walkthrough)
         (dict(model=dict(type='LinearToyModl')),
          r"model.type='LinearToyModl' is not registered.*closest match: "
          r"'LinearToyModel'; mmdtr's: \[.*'ResNetClassifier'"),

@@ -379,7 +379,8 @@ def test_largest_batch_settings_are_the_probes(tool, monkeypatch, device):
                                          ('SIGTERM', 'killed'),
                                          ('SIGSEGV', 'crashed'),
                                          ('SIGABRT', 'crashed')])
-def test_only_an_oom_killers_signal_reads_as_killed(tmp_path, monkeypatch, sig, status):
+def test_only_an_oom_killers_signal_reads_as_killed(tmp_path, monkeypatch, sig,
+                                                    status):
     # any death without a result read as 'killed', which the largest-batch
     # search takes for "does not fit": a segfault made it report a smaller
     # batch (found by a review). A worker of its own that dies so
