@@ -310,13 +310,16 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
         # name: found by a review). The default constructor looks the name
         # up in the config's scope, whatever the optimizer's _scope_, then
         # builds it in its _scope_: both must find it (a review)
-        cls = optimizer_type if inspect.isclass(optimizer_type) else \
-            refuse_unregistered('optim_wrapper.optimizer.type',
-                                optimizer_type, OPTIMIZERS, default_scope)
-        if scope != default_scope and not inspect.isclass(optimizer_type):
-            # the class built, whose arguments count
-            cls = refuse_unregistered('optim_wrapper.optimizer.type',
-                                      optimizer_type, OPTIMIZERS, scope)
+        where = 'optim_wrapper.optimizer.type'
+        if inspect.isclass(optimizer_type):
+            cls = optimizer_type
+        else:
+            cls = refuse_unregistered(where, optimizer_type, OPTIMIZERS,
+                                      default_scope)
+            if scope != default_scope:  # the class built, whose arguments
+                # count
+                cls = refuse_unregistered(where, optimizer_type, OPTIMIZERS,
+                                          scope)
         if cls is not None:
             _check_optimizer_arguments(optimizer, cls)
 
