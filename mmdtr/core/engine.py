@@ -183,15 +183,17 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             bump_like_eager(*counted)
         new = self._register_outputs(out, args, kwargs, info)
         declared = writes[:n_declared]
-        replayable = info.replayable
+        target = self._mutation_target(declared, info.full_overwrite) \
+            if declared else None
+        record_creator = bool(new) and torch.is_grad_enabled()
+        # judged only where a recipe or creator would follow (R1): not for
+        # most of backward's ops, which record no creator and write nothing
+        replayable = (target is not None or record_creator) and info.replayable
         if replayable:  # by the devices it ran on, not the metered one (R4)
             devices = [_device_type(rec.device) for _, rec in new]
             if declared:
                 devices += [_device_type(w.device) for w in declared]
             replayable = same_bits_on_replay(info, devices)
-        target = self._mutation_target(declared, info.full_overwrite) \
-            if declared else None
-        record_creator = bool(new) and torch.is_grad_enabled()
         node = None
         # a fresh buffer's creator is an AllocNode: no recipe to build (R5)
         if replayable and (target is not None
