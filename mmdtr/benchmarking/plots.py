@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .report import never_evicts  # noqa: E402
+
 MIB = 2**20
 _MARKERS = dict(
     baseline='s',
@@ -31,9 +33,10 @@ def _ok(records: List[dict]) -> List[dict]:
 
 
 def _finite_dtr(records: List[dict]) -> List[dict]:
-    return sorted((r for r in _ok(records) if r['technique'] == 'dtr'
-                   and r.get('threshold') and r['threshold'] < 2**60),
-                  key=lambda r: r['threshold'])
+    return sorted(
+        (r for r in _ok(records) if r['technique'] == 'dtr'
+         and r.get('threshold') and not never_evicts(r['threshold'])),
+        key=lambda r: r['threshold'])
 
 
 def plot_sweep(records: List[dict], path: str) -> str:
@@ -73,7 +76,7 @@ def plot_sweep(records: List[dict], path: str) -> str:
                 color='tab:gray',
                 ls='-.',
                 label='dispatch floor')
-        elif r['technique'] == 'dtr' and r['threshold'] >= 2**60:
+        elif r['technique'] == 'dtr' and never_evicts(r['threshold']):
             ax_time.axhline(
                 r['median_step_s'],
                 color='tab:green',
@@ -120,7 +123,7 @@ def plot_time_vs_peak(results: dict, path: str) -> str:
     for r in _ok(results.get('compare', {}).get(
             'runs', [])) + [r for r in _ok(sweep) if r not in line]:
         marker = _MARKERS.get(r['technique'], 'o')
-        if r['technique'] == 'dtr' and r['threshold'] >= 2**60:
+        if r['technique'] == 'dtr' and never_evicts(r['threshold']):
             marker = '*'
         ax.plot(
             r['peak_engine'] / MIB,

@@ -16,6 +16,14 @@ TARGETS = {None: 1.05, 0.5: 1.15, 0.25: 1.35}
 _PROBE_KEYS = ('config', 'image_size', 'seq_len', 'device', 'optimizer')
 
 
+def never_evicts(threshold: Optional[int]) -> bool:
+    """Whether a run's threshold is one no workload reaches (2**60 bytes or
+    more, :data:`~.workloads.NO_EVICTION` among them): its engine metered,
+    evicting nothing by design. ``None`` (no threshold: eviction when a CUDA
+    allocation fails) and 0 are not."""
+    return threshold is not None and threshold >= 2**60
+
+
 def _mib(nbytes) -> str:
     return '-' if nbytes is None else f'{nbytes / 2**20:.1f}'
 
@@ -28,7 +36,7 @@ def _threshold(record: dict) -> str:
     threshold = record.get('threshold')
     if record['technique'] != 'dtr' or threshold is None:
         return '-'
-    if threshold >= 2**60:
+    if never_evicts(threshold):
         return 'none reached'
     text = format_size(threshold)
     if record.get('fraction') is not None:
@@ -83,7 +91,8 @@ def _not_held(record: dict) -> bool:
     """Whether a DTR run with a threshold failed to evict in any round:
     a later round that failed was pooled into the times (found by a
     review), and the status read the first round's only (another)."""
-    return (record.get('threshold') or 2**60) < 2**60 and bool(
+    threshold = record.get('threshold')
+    return bool(threshold) and not never_evicts(threshold) and bool(
         record.get('eviction_failures') or any(
             r.get('eviction_failures')
             for r in record.get('round_counts') or ()))
@@ -104,8 +113,8 @@ def _counts(record: dict) -> str:
 def _target(record: dict, slowdown: Optional[float]) -> str:
     if record['technique'] != 'dtr':
         return ''
-    threshold = record.get('threshold') or 0
-    key = None if threshold >= 2**60 else record.get('fraction', 'other')
+    key = None if never_evicts(record.get('threshold')) else record.get(
+        'fraction', 'other')
     if key not in TARGETS:
         return ''
     if slowdown is None:
@@ -190,7 +199,7 @@ def per_op_line(records: List[dict]) -> Optional[str]:
     """
     first = {}
     for r in records:
-        if r['technique'] == 'dtr' and (r.get('threshold') or 0) < 2**60:
+        if r['technique'] == 'dtr' and not never_evicts(r.get('threshold')):
             continue
         first.setdefault(r['technique'], r)
     runs = [first.get(t) for t in ('baseline', 'dispatch_floor', 'dtr')]

@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from mmdtr.benchmarking import BenchmarkSuite
-from mmdtr.benchmarking.report import _num, markdown, per_op_line
+from mmdtr.benchmarking import NO_EVICTION, BenchmarkSuite
+from mmdtr.benchmarking.report import _num, markdown, never_evicts, per_op_line
 from mmdtr.benchmarking.results_updates import failed_runs
 from mmdtr.errors import MmdtrError
 from .conftest import RESNET
@@ -339,3 +339,12 @@ def test_plots_leave_out_a_run_the_table_gives_no_ratio():
     table = markdown(dict(meta={}, sweep=dict(settings=TARGETED, runs=runs)))
     row = next(line for line in table.splitlines() if 'dtr@0.5' in line)
     assert '1.20x' not in row
+
+
+@pytest.mark.parametrize('threshold,never', [(None, False), (0, False),
+                                             (2**59, False), (2**60, True),
+                                             (NO_EVICTION, True)])
+def test_never_evicts(threshold, never):
+    # None is a CUDA run evicting when an allocation fails, not one that
+    # never evicts; NO_EVICTION and older results' thresholds do
+    assert never_evicts(threshold) is never
