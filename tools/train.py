@@ -22,6 +22,7 @@ from mmdtr.adapters.cpu_process_group import (check_launcher_env, close_dist,
 from mmdtr.adapters.runner import MMDTRRunner, dump_config_as_written
 from mmdtr.adapters.runner_config_checks import (amp_convertible,
                                                  check_amp_available)
+from mmdtr.adapters.writable_config import refuse_unwritable
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.cfg_options import (CfgOptionsAction, merge_cfg_options,
                                      read_config)
@@ -102,7 +103,8 @@ def build_cfg(args) -> Config:
     Raises:
         MmdtrError: On a missing config file, bad ``--cfg-options``, bad
             memory keys, ``--amp`` without a CUDA device, a work dir that is
-            a file or under one, or ``--resume`` of a missing file.
+            a file or under one, ``--resume`` of a missing file, or a value
+            the runner cannot write to the work dir (an object).
     """
     cfg = read_config(args.config)
     if args.cfg_options is not None:
@@ -143,7 +145,11 @@ def build_cfg(args) -> Config:
         check_checkpoint(args.resume)
         cfg.resume = True
         cfg.load_from = args.resume
-    return translate_memory_keys(cfg)
+    translated = translate_memory_keys(cfg)
+    # after mmdtr's own checks, which say more of what they refuse; the
+    # keys as written (MMEngine writes the config after making the work dir)
+    refuse_unwritable(cfg)
+    return translated
 
 
 def build_runner(cfg: Config):

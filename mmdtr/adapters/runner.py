@@ -38,6 +38,7 @@ from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
 from .cpu_process_group import (check_launcher_env, close_at_exit, dist_cfg_of,
                                 init_cpu_dist, noting_outcome)
 from .runner_config_checks import check_amp_available
+from .writable_config import refuse_unwritable
 
 
 @RUNNERS.register_module()
@@ -81,7 +82,9 @@ class MMDTRRunner(Runner):
             MMDTRRunner: The runner.
 
         Raises:
-            MmdtrError: If a memory key has a bad value, AMP is asked for
+            MmdtrError: If a value cannot be written to the work dir (an
+                object: MMEngine writes the config as Python source), a
+                memory key has a bad value, AMP is asked for
                 on a CPU-only machine, a launcher's environment variables
                 are missing, or, without a launcher, a module
                 name selects nothing or the two selecting keys cannot
@@ -91,7 +94,11 @@ class MMDTRRunner(Runner):
         checked = getattr(cfg, CHECKED_ATTR, False)  # by tools/train.py
         if not isinstance(cfg, Config):
             cfg = Config(dict(cfg))
-        cfg = translate_memory_keys(cfg)
+        translated = translate_memory_keys(cfg)
+        # after mmdtr's own checks, which say more of what they refuse; the
+        # keys as written (MMEngine writes it after making the work dir)
+        refuse_unwritable(cfg)
+        cfg = translated
         check_amp_available(cfg.get('optim_wrapper'))
         launcher = cfg.get('launcher', 'none')
         if launcher == 'none':

@@ -1,0 +1,75 @@
+"""A config the runner cannot write (an object in it) is refused before the
+work dir is made: MMEngine's Runner failed in yapf's raw SyntaxError after
+making it (found by an adversarial search)."""
+import pytest
+import torch
+from mmengine.config import Config
+
+from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.adapters.writable_config import refuse_unwritable
+from mmdtr.core.policies import LRUPolicy
+from mmdtr.errors import MmdtrError
+
+
+@pytest.mark.parametrize('keys,where,hint', [
+    (dict(custom_hooks=[
+        dict(
+            type='mmdtr.DTRHook', eviction_threshold='3GB', policy=LRUPolicy())
+    ]), 'custom_hooks[0].policy=', 'register_policy'),
+    (dict(model_wrapper_cfg=dict(dtr=dict(policy=LRUPolicy()))),
+     'model_wrapper_cfg.dtr.policy=', 'register_policy'),
+    (dict(P=LRUPolicy), "P=<class 'mmdtr.core.policies.LRUPolicy'>", 'del'),
+    (dict(model=torch.nn.Sequential(torch.nn.Linear(2, 2))),
+     'model=Sequential(', 'type='),
+])
+def test_a_value_without_source_is_named(keys, where, hint):
+    cfg = Config(dict(work_dir='w', **keys))
+    with pytest.raises(MmdtrError, match='cannot be written') as info:
+        refuse_unwritable(cfg)
+    assert where in info.value.message
+    assert hint in info.value.hint
+
+
+def test_writable_configs_pass():
+    # a repr that is a Python expression is written as it is by MMEngine
+    refuse_unwritable(
+        Config(
+            dict(
+                model=torch.nn.Linear(2, 2),
+                dtr=dict(eviction_threshold='3GB', policy='lru'),
+                dtype=torch.float32,
+                custom_hooks=[dict(type='mmdtr.DTRHook')],
+                sizes=(1, 2.5, None, True))))
+
+
+def test_runner_refuses_before_making_the_work_dir(toy_runner_cfg, tmp_path):
+    work_dir = tmp_path / 'work'
+    cfg = toy_runner_cfg(
+        str(work_dir),
+        'LinearToyModel',
+        'RangeToyDataset',
+        'writable_config',
+        custom_hooks=[
+            dict(
+                type='mmdtr.DTRHook',
+                eviction_threshold='1GB',
+                policy=LRUPolicy())
+        ])
+    with pytest.raises(MmdtrError, match=r'custom_hooks\[0\]\.policy='):
+        MMDTRRunner.from_cfg(cfg)
+    assert not work_dir.exists()
+
+
+def test_check_config_refuses_it(train_tool, toy_config, tmp_path, capsys):
+    # --check-config said the config was accepted
+    config = tmp_path / 'with_object.py'
+    config.write_text(
+        f'_base_ = [{toy_config!r}]\n'
+        "P = __import__('mmdtr.core.policies', fromlist=['x']).LRUPolicy\n")
+    work_dir = tmp_path / 'work'
+    with pytest.raises(SystemExit):
+        train_tool.main(
+            [str(config), '--check-config', '--work-dir',
+             str(work_dir)])
+    assert 'P=<class' in capsys.readouterr().err
+    assert not work_dir.exists()
