@@ -9,7 +9,8 @@ key). Each trained silently without the feature; a variable named after
 a key whose feature is on otherwise (a hook in ``custom_hooks``) is left
 alone. A setting given at the
 top level through ``--cfg-options`` is refused by
-:func:`refuse_top_level_settings`.
+:func:`refuse_top_level_settings`. One level too deep, in ``model`` or
+``train_cfg``, mmdtr's keys reach a constructor that takes none of them.
 """
 import difflib
 import types
@@ -112,7 +113,8 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
     That is a key like a memory key of ``names`` (misspelt, or one of its
     :data:`ALIASES`) while that key is absent, or a setting of
     :data:`SETTING_SECTIONS` while nothing that takes it is in the config
-    (a variable its section reads is left alone).
+    (a variable its section reads is left alone), or mmdtr's key or
+    setting inside ``model`` or ``train_cfg``.
 
     Args:
         cfg (Config): The config as loaded.
@@ -134,6 +136,48 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
                 'mmdtr, to a name that does not resemble it.')
         if key in SETTING_SECTIONS and not _read(cfg, key):
             raise _misplaced(key, cfg[key])
+    _refuse_nested(cfg, names)
+
+
+#: DTR's settings: no model or train loop takes these names.
+_DTR_SETTINGS = tuple(k for k, v in SETTING_SECTIONS.items() if v == 'dtr')
+#: MMEngine's train loops, which take none of mmdtr's keys.
+_MMENGINE_LOOPS = ('IterBasedTrainLoop', 'EpochBasedTrainLoop')
+_BUILT = dict(model='build of the model', train_cfg='build of the train loop')
+
+
+def _refuse_nested(cfg, names: list) -> None:
+    """Refuse mmdtr's keys one level too deep: in ``model`` (``dtr`` and
+    DTR's settings) and ``train_cfg`` (any of them; for a loop other than
+    MMEngine's, not ``accumulative_counts`` and ``step_in_backward``, which
+    another loop may take). MMEngine passed them to the constructor, which
+    failed in a raw ``TypeError`` after the work dir was made, and
+    ``--check-config`` accepted them (found by an adversarial search)."""
+    loop = cfg.get('train_cfg')
+    loop_type = str(loop.get('type', '')).split('.')[-1] \
+        if isinstance(loop, Mapping) else ''
+    in_loop = list(names) + list(SETTING_SECTIONS)
+    if loop_type and loop_type not in _MMENGINE_LOOPS:
+        in_loop = [
+            k for k in in_loop if SETTING_SECTIONS.get(k) != 'optim_wrapper'
+        ]
+    nested = (('model', ('dtr', ) + _DTR_SETTINGS), ('train_cfg', in_loop))
+    for section, keys in nested:
+        value = cfg.get(section)
+        if not isinstance(value, Mapping):
+            continue
+        for key in keys:
+            if key not in value:
+                continue
+            where = SETTING_SECTIONS.get(key)
+            place = f'{where}.{key}' if where else f'the top-level {key} key'
+            option = f'{where}.{key}=...' if where else f'{key}.<setting>=...'
+            raise MmdtrError(
+                f'{section}.{key}={value[key]!r}: mmdtr reads it only as '
+                f'{place}; in {section} it reaches MMEngine\'s '
+                f'{_BUILT[section]}, not mmdtr (a TypeError after the work '
+                'dir is made, where it takes no such argument).',
+                hint=f'move it to {place} (--cfg-options {option}).')
 
 
 def refuse_top_level_settings(options: Mapping) -> None:

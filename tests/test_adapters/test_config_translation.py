@@ -1,6 +1,7 @@
 """The config keys' translation: what cannot work is refused before the
 Runner is built, with nothing made; what can is left as written."""
 import os.path as osp
+import re
 
 import pytest
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
@@ -332,3 +333,37 @@ def test_absent_or_none_is_off(tmp_path, make_cfg):
         out = translate_memory_keys(cfg)
         assert 'dtr' not in out
         assert not any(h['type'] == 'mmdtr.DTRHook' for h in out.custom_hooks)
+
+
+@pytest.mark.parametrize('section,key,value,place', [
+    ('train_cfg', 'accumulative_counts', 2,
+     'optim_wrapper.accumulative_counts'),
+    ('train_cfg', 'dtr', dict(eviction_threshold='1GB'),
+     'the top-level dtr key'),
+    ('train_cfg', 'activation_checkpointing', 'fc',
+     'the top-level activation_checkpointing key'),
+    ('model', 'dtr', dict(eviction_threshold='1GB'), 'the top-level dtr key'),
+    ('model', 'eviction_threshold', '1GB', 'dtr.eviction_threshold'),
+])
+def test_keys_one_level_too_deep_are_refused(section, key, value, place,
+                                             make_cfg, tmp_path):
+    # MMEngine passed them to the train loop's or the model's constructor:
+    # a raw TypeError after the work dir was made, and --check-config
+    # accepted them (found by an adversarial search)
+    work_dir = tmp_path / 'work'
+    cfg = make_cfg(work_dir)
+    cfg[section][key] = value
+    match = re.escape(f'{section}.{key}=') + '.*' + re.escape(
+        f'only as {place};')
+    with pytest.raises(MmdtrError, match=match):
+        MMDTRRunner.from_cfg(cfg)
+    assert not work_dir.exists()
+
+
+def test_another_train_loop_may_take_accumulation(make_cfg, tmp_path):
+    cfg = make_cfg(tmp_path, train_cfg=dict(type='MyLoop', max_iters=2))
+    cfg.train_cfg.accumulative_counts = 2  # its own argument, maybe
+    translate_memory_keys(cfg)
+    cfg.train_cfg.dtr = dict(eviction_threshold='1GB')  # never its own
+    with pytest.raises(MmdtrError, match='train_cfg.dtr='):
+        translate_memory_keys(cfg)
