@@ -88,7 +88,7 @@ def translate_dtr(value) -> dict:
         >>> # --cfg-options dtr.eviction_threshold=3GB
     """
     if isinstance(value, Mapping) and \
-            not isinstance(value.get('policy', 'dtr'), str):
+            not isinstance(value.get('policy'), (str, type(None))):
         # the config dump failed on an object, in a raw traceback after the
         # work dir was made (found by an adversarial search); checked
         # before the engine's own, whose hint offers an EvictionPolicy
@@ -237,7 +237,8 @@ class DTRHook(Hook):
             per eviction. Defaults to False.
         policy (str): ``'dtr'``, ``'dtr_local'``, ``'lru'``,
             ``'largest'``, or a name registered with
-            :func:`mmdtr.dtr.register_policy`. Defaults to ``'dtr'``.
+            :func:`mmdtr.dtr.register_policy`; ``None`` is the default,
+            ``'dtr'``.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:

@@ -63,7 +63,8 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
             of the first storage an op allocates in scope.
 
     Returns:
-        dict: The settings as given, as a plain dict.
+        dict: The settings as given, as a plain dict, without a
+        ``policy`` of ``None`` (the default, ``'dtr'``).
 
     Raises:
         MmdtrError: If ``value`` is not a dict, has unknown sub-keys, or has
@@ -90,10 +91,15 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
                 hint=f'e.g. {_EXAMPLE}.')
     settings = dict(value)
     policy = settings.get('policy', None)
+    if 'policy' in settings and policy is None:
+        # the default, as activation_checkpointing's policy=None is; it got
+        # the hint for objects (found by an adversarial search)
+        del settings['policy']
     if isinstance(policy, str) and policy not in POLICIES:
         # the engine's own hint offers an EvictionPolicy object, which a
-        # config refuses (found by a review)
-        close = difflib.get_close_matches(policy, POLICIES, n=1)
+        # config refuses (found by a review); 'LRU' got no closest match
+        # (another search)
+        close = difflib.get_close_matches(policy.lower(), POLICIES, n=1)
         raise MmdtrError(
             f'{key}.policy={policy!r} is not an eviction policy; accepted: '
             f'{sorted(POLICIES)}' +

@@ -7,6 +7,7 @@ import torch
 from mmengine.config import Config
 
 from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
+from mmdtr.adapters.dtr_train_step import dtr_settings
 from mmdtr.core.policies import LRUPolicy
 from mmdtr.core.sizes import parse_size
 from mmdtr.dtr import DTR
@@ -78,6 +79,11 @@ def test_translate_accepted(value, hook_cfg):
          'registered), not objects. Hint: register the class'),
         (dict(eviction_threshold='1GB',
               policy=object()), 'is not accepted in a config'),
+        # no closest match for a name in another case (an adversarial
+        # search)
+        (dict(eviction_threshold='1GB', policy='LRU'),
+         "policy='LRU' is not an eviction policy; accepted: ['dtr', "
+         "'dtr_local', 'largest', 'lru'], closest match: 'lru'."),
     ])
 def test_translate_rejects(value, text):
     with pytest.raises(MmdtrError) as info:
@@ -86,6 +92,16 @@ def test_translate_rejects(value, text):
     assert message.startswith('mmdtr: dtr')
     assert text in message
     assert 'Hint:' in message
+
+
+def test_policy_none_is_the_default():
+    # it got the message for objects, whose hint was to register a class
+    # (found by an adversarial search); activation_checkpointing's
+    # policy=None is its default too
+    assert translate_dtr(dict(eviction_threshold='1GB', policy=None)) == \
+        dict(type='mmdtr.DTRHook', eviction_threshold='1GB')
+    hook = DTRHook(eviction_threshold='1GB', policy=None)
+    assert 'policy' not in dtr_settings(hook.settings)
 
 
 @cpu_only
