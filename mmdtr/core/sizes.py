@@ -13,7 +13,8 @@ for _i, _p in enumerate('kmgt', start=1):
 _PATTERN = re.compile(r'^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$')
 ACCEPTED = ("an int number of bytes, or a string like '5GB', '512MiB', "
             "'1.5 GB' (B, KB/KiB, MB/MiB, GB/GiB, TB/TiB; all binary, "
-            "1GB = 2**30 bytes, as MegEngine reads them)")
+            "1GB = 2**30 bytes, in any case, as MegEngine reads them: "
+            "'5gb' and '5Gb' are bytes, not bits)")
 
 
 def parse_size(value: Union[int, str, None],

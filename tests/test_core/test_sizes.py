@@ -15,6 +15,7 @@ from mmdtr.errors import MmdtrError
         ('512MiB', 512 * 2**20),
         ('1.5 GB', 3 * 2**29),
         (' 5gb ', 5 * 2**30),
+        ('3Gb', 3 * 2**30),  # any case, as MegEngine: bytes, not bits
         ('0.3MB', 314572),  # fractions of a byte are dropped
         ('0', 0),
         ('9' * 400 + 'GB', int('9' * 400) * 2**30),  # exact, no float overflow
