@@ -99,7 +99,11 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
         # the engine's own hint offers an EvictionPolicy object, which a
         # config refuses (found by a review); 'LRU' got no closest match
         # (another search)
-        close = difflib.get_close_matches(policy.lower(), POLICIES, n=1)
+        lowered = {name.lower(): name for name in POLICIES}
+        close = [
+            lowered[name] for name in difflib.get_close_matches(
+                policy.lower(), lowered, n=1)
+        ]
         raise MmdtrError(
             f'{key}.policy={policy!r} is not an eviction policy; accepted: '
             f'{sorted(POLICIES)}' +

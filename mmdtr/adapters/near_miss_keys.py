@@ -154,8 +154,10 @@ def _refuse_nested(cfg, names: list) -> None:
     failed in a raw ``TypeError`` after the work dir was made, and
     ``--check-config`` accepted them (found by an adversarial search)."""
     loop = cfg.get('train_cfg')
-    loop_type = str(loop.get('type', '')).split('.')[-1] \
-        if isinstance(loop, Mapping) else ''
+    loop_type = loop.get('type', '') if isinstance(loop, Mapping) else ''
+    # a new-style config's type is the class (a review)
+    loop_type = loop_type.__name__ if isinstance(
+        loop_type, type) else str(loop_type).split('.')[-1]
     in_loop = list(names) + list(SETTING_SECTIONS)
     if loop_type and loop_type not in _MMENGINE_LOOPS:
         in_loop = [
@@ -173,7 +175,7 @@ def _refuse_nested(cfg, names: list) -> None:
             place = f'{where}.{key}' if where else f'the top-level {key} key'
             option = f'{where}.{key}=...' if where else f'{key}.<setting>=...'
             raise MmdtrError(
-                f'{section}.{key}={value[key]!r}: mmdtr reads it only as '
+                f'{section}.{key}={value[key]!r}: it is read only as '
                 f'{place}; in {section} it reaches MMEngine\'s '
                 f'{_BUILT[section]}, not mmdtr (a TypeError after the work '
                 'dir is made, where it takes no such argument).',

@@ -8,8 +8,10 @@ there, in yapf's raw ``SyntaxError``, once the work dir exists; mmdtr's
 checks had accepted it (found by an adversarial search).
 """
 import ast
+import keyword
 from collections.abc import Mapping
 
+from mmdtr.core.policies import EvictionPolicy
 from mmdtr.errors import MmdtrError
 
 _LITERALS = (str, int, float, bool, type(None))
@@ -34,12 +36,16 @@ def refuse_unwritable(cfg) -> None:
     try:
         cfg.pretty_text
     except Exception as error:  # noqa: B902 - yapf's SyntaxError, or other
-        found = _without_source({key: cfg[key] for key in cfg.keys()}, '')
-        path, value = found if found else ('the config', None)
-        text = repr(value)
+        found = _without_source(_values(cfg), '')
+        path, value, bad_key = found or ('the config', None, False)
+        text = ' '.join(str(value).split())  # as written, on one line
         text = text if len(text) <= 80 else text[:77] + '...'
         what = f'{path}={text}' if found else 'the config'
-        if path.endswith('policy'):
+        why = 'its key is a Python keyword, which dict(...) cannot take' \
+            if bad_key else 'this value has none'
+        if bad_key:
+            hint = 'rename the key.'
+        elif _is_policy(value):
             hint = ('give the policy by name: register its class with '
                     'mmdtr.dtr.register_policy in a module the config '
                     "imports (custom_imports), and write policy='<name>'.")
@@ -50,18 +56,41 @@ def refuse_unwritable(cfg) -> None:
                     'of the file.')
         raise MmdtrError(
             f'{what} cannot be written to the work dir: MMEngine\'s Runner '
-            'writes the config there as Python source, and this value has '
-            f'none (it would fail with {type(error).__name__} after making '
-            'the work dir).',
+            f'writes the config there as Python source, and {why} (it would '
+            f'fail with {type(error).__name__} after making the work dir).',
             hint=hint) from None
 
 
+def _values(cfg) -> dict:
+    """The config's values as MMEngine writes them: a new-style config's
+    imports as ``LazyObject``, not the classes its keys give when read (a
+    review)."""
+    if getattr(cfg, '_imported_names', None):
+        return cfg._to_lazy_dict()
+    return {key: cfg[key] for key in cfg.keys()}
+
+
+def _is_policy(value) -> bool:
+    """Whether ``value`` is an eviction policy or its class (the hint to
+    register it by name applies; another ``policy`` key's value, a
+    hook's ``lr_policy``, is not; a review)."""
+    if isinstance(value, type):
+        return issubclass(value, EvictionPolicy)
+    return isinstance(value, EvictionPolicy)
+
+
 def _without_source(value, path: str):
-    """``(path, value)`` of the first value in ``value`` whose ``repr`` is no
-    Python expression, or ``None``."""
+    """``(path, value, whether the key is at fault)`` of the first value in
+    ``value`` that MMEngine cannot write as Python source, or ``None``: one
+    whose ``str`` (``repr`` for strings, which this skips) is no Python
+    expression, or one under a key that is a Python keyword (written
+    ``dict(from=...)``)."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            found = _without_source(item, f'{path}.{key}' if path else key)
+            here = f'{path}.{key}' if path else str(key)
+            if isinstance(key, str) and keyword.iskeyword(key):
+                return here, item, True
+            found = _without_source(item, here)
             if found:
                 return found
         return None
@@ -75,7 +104,7 @@ def _without_source(value, path: str):
             'Lazy'):  # new-style configs' imports: MMEngine writes those
         return None
     try:
-        ast.parse(repr(value), mode='eval')
+        ast.parse(str(value), mode='eval')
     except SyntaxError:
-        return path, value
+        return path, value, False
     return None

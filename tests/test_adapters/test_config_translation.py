@@ -4,6 +4,7 @@ import os.path as osp
 import re
 
 import pytest
+from mmengine.config import Config
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 
 from mmdtr.adapters.config_translation import translate_memory_keys
@@ -367,3 +368,15 @@ def test_another_train_loop_may_take_accumulation(make_cfg, tmp_path):
     cfg.train_cfg.dtr = dict(eviction_threshold='1GB')  # never its own
     with pytest.raises(MmdtrError, match='train_cfg.dtr='):
         translate_memory_keys(cfg)
+
+
+def test_a_train_loop_given_as_a_class_is_mmengines(tmp_path):
+    # a new-style config's type is the class: it read as another loop, and
+    # train_cfg.accumulative_counts failed after the work dir was made
+    # (found by a review)
+    path = tmp_path / 'new_style.py'
+    path.write_text('from mmengine.runner import IterBasedTrainLoop\n'
+                    'train_cfg = dict(type=IterBasedTrainLoop, max_iters=1,'
+                    ' accumulative_counts=2)\n')
+    with pytest.raises(MmdtrError, match='train_cfg.accumulative_counts='):
+        translate_memory_keys(Config.fromfile(str(path)))

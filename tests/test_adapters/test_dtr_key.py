@@ -8,7 +8,7 @@ from mmengine.config import Config
 
 from mmdtr.adapters.dtr_hook import DTRHook, translate_dtr
 from mmdtr.adapters.dtr_train_step import dtr_settings
-from mmdtr.core.policies import LRUPolicy
+from mmdtr.core.policies import POLICIES, LRUPolicy
 from mmdtr.core.sizes import parse_size
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
@@ -92,6 +92,14 @@ def test_translate_rejects(value, text):
     assert message.startswith('mmdtr: dtr')
     assert text in message
     assert 'Hint:' in message
+
+
+def test_closest_policy_name_in_any_case(monkeypatch):
+    # the registered names were compared as they are: 'BF' got no match
+    # for 'bf' (a review)
+    monkeypatch.setitem(POLICIES, 'BF', LRUPolicy)
+    with pytest.raises(MmdtrError, match="closest match: 'BF'"):
+        translate_dtr(dict(eviction_threshold='1GB', policy='bf'))
 
 
 def test_policy_none_is_the_default():

@@ -11,17 +11,26 @@ from mmdtr.core.policies import LRUPolicy
 from mmdtr.errors import MmdtrError
 
 
-@pytest.mark.parametrize('keys,where,hint', [
-    (dict(custom_hooks=[
-        dict(
-            type='mmdtr.DTRHook', eviction_threshold='3GB', policy=LRUPolicy())
-    ]), 'custom_hooks[0].policy=', 'register_policy'),
-    (dict(model_wrapper_cfg=dict(dtr=dict(policy=LRUPolicy()))),
-     'model_wrapper_cfg.dtr.policy=', 'register_policy'),
-    (dict(P=LRUPolicy), "P=<class 'mmdtr.core.policies.LRUPolicy'>", 'del'),
-    (dict(model=torch.nn.Sequential(torch.nn.Linear(2, 2))),
-     'model=Sequential(', 'type='),
-])
+@pytest.mark.parametrize(
+    'keys,where,hint',
+    [
+        (dict(custom_hooks=[
+            dict(
+                type='mmdtr.DTRHook',
+                eviction_threshold='3GB',
+                policy=LRUPolicy())
+        ]), 'custom_hooks[0].policy=', 'register_policy'),
+        (dict(model_wrapper_cfg=dict(dtr=dict(policy=LRUPolicy()))),
+         'model_wrapper_cfg.dtr.policy=', 'register_policy'),
+        (dict(P=LRUPolicy), "P=<class 'mmdtr.core.policies.LRUPolicy'>",
+         'register_policy'),
+        # the policy hint is for eviction policies only (a review)
+        (dict(custom_hooks=[dict(type='MyHook', lr_policy=print)]),
+         'custom_hooks[0].lr_policy=<built-in function print>', "type='...'"),
+        (dict(a={'from': 1}), 'a.from=1', 'rename the key'),
+        (dict(model=torch.nn.Sequential(torch.nn.Linear(2, 2))),
+         'model=Sequential(', 'type='),
+    ])
 def test_a_value_without_source_is_named(keys, where, hint):
     cfg = Config(dict(work_dir='w', **keys))
     with pytest.raises(MmdtrError, match='cannot be written') as info:
@@ -73,3 +82,21 @@ def test_check_config_refuses_it(train_tool, toy_config, tmp_path, capsys):
              str(work_dir)])
     assert 'P=<class' in capsys.readouterr().err
     assert not work_dir.exists()
+
+
+NEW_STYLE = """
+from mmengine.runner import IterBasedTrainLoop
+train_cfg = dict(type=IterBasedTrainLoop, max_iters=1)
+"""
+
+
+def test_new_style_configs_name_the_value_not_an_import(tmp_path):
+    # reading its keys turns a new-style config's imports into classes,
+    # which were named instead of the value at fault (a review)
+    path = tmp_path / 'new_style.py'
+    path.write_text(NEW_STYLE + "bad = dict(a={'from': 1})\n")
+    cfg = Config.fromfile(str(path))
+    with pytest.raises(MmdtrError, match=r'bad\.a\.from=1 cannot be written'):
+        refuse_unwritable(cfg)
+    path.write_text(NEW_STYLE)
+    refuse_unwritable(Config.fromfile(str(path)))  # written as MMEngine does
