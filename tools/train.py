@@ -175,6 +175,22 @@ def _from_the_engine(error: BaseException) -> bool:
         for frame in traceback.extract_tb(error.__traceback__))
 
 
+def _checked_message(config: str, selecting: bool, unchecked) -> str:
+    """What ``--check-config`` says it checked: the model is built for it
+    (its own arguments checked too), unless under a launcher it could not
+    be built here (``unchecked`` says why)."""
+    head = f'mmdtr: {config} checked: the config, its mmdtr keys'
+    if unchecked is not None:
+        later = 'the module names are' if selecting else 'the model is'
+        return (f'{head} and the arguments are accepted; {later} checked '
+                f'when training starts: {unchecked}.')
+    if not selecting:
+        return (f'{head}, the arguments and the model are accepted; no '
+                'module names to check.')
+    return f'{head}, the arguments, the model and the module names are ' \
+        'accepted.'
+
+
 def main(argv=None):
     try:
         args = parse_args(argv)
@@ -185,17 +201,13 @@ def main(argv=None):
             # once, in its check, not in every rank (found by an
             # adversarial search)
             unchecked = check_module_names(
-                cfg, strict=args.check_config and args.launcher == 'none')
+                cfg,
+                strict=args.check_config and args.launcher == 'none',
+                build_model=args.check_config)
         if args.check_config:
-            print(f'mmdtr: {args.config} checked: the config, its mmdtr '
-                  'keys and the arguments are accepted; no module names to '
-                  'check.' if not selecting_hooks(cfg) else
-                  f'mmdtr: {args.config} checked: the config, its mmdtr '
-                  'keys, the arguments and the module names are accepted.'
-                  if unchecked is None else
-                  f'mmdtr: {args.config} checked: the config, its mmdtr '
-                  'keys and the arguments are accepted; the module names '
-                  f'are checked when training starts: {unchecked}.')
+            print(
+                _checked_message(args.config, bool(selecting_hooks(cfg)),
+                                 unchecked))
             return
         # not in --check-config: tools/dist_train.sh runs it before torchrun
         check_launcher_env(args.launcher,

@@ -43,7 +43,9 @@ def selecting_hooks(cfg) -> list:
     ]
 
 
-def check_module_names(cfg, strict: bool = False) -> Optional[str]:
+def check_module_names(cfg,
+                       strict: bool = False,
+                       build_model: bool = False) -> Optional[str]:
     """Run the module-name checks of the config's selecting hooks.
 
     Only mmdtr's own hooks are checked (others may be another scope's). The
@@ -66,6 +68,11 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
             unchecked while the check said they were accepted; found by a
             review). Under a launcher a model may need the process group
             to be built: the ranks check the names in ``before_run``.
+        build_model (bool): Build the model even when no hook selects
+            modules, so that its own arguments are checked
+            (``--check-config``: ``model.depth=51`` and a misplaced
+            argument passed it, then failed after the work dir was made;
+            found by an adversarial search).
 
     Returns:
         str | None: Why the names were not checked (the model could not
@@ -80,7 +87,7 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
         copy.deepcopy(h) if isinstance(h, Hook) else HOOKS.build(
             copy.deepcopy(h)) for h in selecting_hooks(cfg)
     ]
-    if not selecting:
+    if not selecting and not build_model:
         return None
     model = cfg.get('model')
     if not isinstance(model, nn.Module):  # built as the runner builds it,
@@ -100,9 +107,10 @@ def check_module_names(cfg, strict: bool = False) -> Optional[str]:
                 if not strict:
                     return ('the model could not be built here '
                             f'({type(e).__name__}: {e})')
+                purpose = ' to check the module names of ' + str(
+                    [hook_name(h) for h in selecting]) if selecting else ''
                 raise MmdtrError(
-                    'the model could not be built to check the module names '
-                    f'of {[hook_name(h) for h in selecting]}: '
+                    f'the model could not be built{purpose}: '
                     f'{type(e).__name__}: {e}',
                     hint='fix the model config; the runner would fail to '
                     'build it too.') from e

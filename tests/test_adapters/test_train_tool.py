@@ -297,10 +297,11 @@ def test_check_config_checks_and_starts_nothing(train_tool, toy_config,
     options = ['--cfg-options', 'custom_imports.imports=[toy_classifier]']
     assert train_tool.main(common + options) is None
     # it said the module names were accepted where none were given
-    assert 'accepted; no module names to check.' in capsys.readouterr().out
+    assert 'the arguments and the model are accepted; no module names to ' \
+        'check.' in capsys.readouterr().out
     assert train_tool.main(common + options +
                            ['activation_checkpointing=conv']) is None
-    assert 'the arguments and the module names are accepted.' in \
+    assert 'the arguments, the model and the module names are accepted.' in \
         capsys.readouterr().out
     with pytest.raises(SystemExit) as info:  # a module name, on the model
         train_tool.main(common + options + ['activation_checkpointing=nope'])
@@ -326,3 +327,15 @@ def test_check_config_with_a_model_it_cannot_build(train_tool, toy_config,
     out = capsys.readouterr().out
     assert 'the module names are checked when training starts' in out
     assert 'no_such_argument' in out
+    # without module names to check, the model was not built at all: a bad
+    # model argument passed, then failed after the work dir was made (found
+    # by an adversarial search)
+    options = ['--cfg-options', 'model.no_such_argument=1']
+    with pytest.raises(SystemExit):
+        train_tool.main([toy_config, '--check-config', *options])
+    assert 'the model could not be built: TypeError' in \
+        capsys.readouterr().err
+    train_tool.main(
+        [toy_config, '--check-config', '--launcher', 'pytorch', *options])
+    assert 'the model is checked when training starts' in \
+        capsys.readouterr().out
