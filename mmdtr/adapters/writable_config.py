@@ -65,7 +65,8 @@ def _values(cfg) -> dict:
     """The config's values as MMEngine writes them: a new-style config's
     imports as ``LazyObject``, not the classes its keys give when read (a
     review)."""
-    if getattr(cfg, '_imported_names', None):
+    if getattr(cfg, '_imported_names', None) and hasattr(
+            cfg, '_to_lazy_dict'):  # a new-style config (lazy imports)
         return cfg._to_lazy_dict()
     return {key: cfg[key] for key in cfg.keys()}
 
