@@ -100,3 +100,24 @@ def test_new_style_configs_name_the_value_not_an_import(tmp_path):
         refuse_unwritable(cfg)
     path.write_text(NEW_STYLE)
     refuse_unwritable(Config.fromfile(str(path)))  # written as MMEngine does
+
+
+class _WrittenByStr:
+    """Its repr is Python, its str not: MMEngine writes str."""
+
+    def __repr__(self):
+        return '_WrittenByStr()'
+
+    def __str__(self):
+        return '<written by str>'
+
+
+def test_values_are_read_as_written_and_shown_on_one_line():
+    # repr was parsed where MMEngine writes str, and a multi-line value
+    # broke the message over lines (a review)
+    with pytest.raises(MmdtrError, match='a=<written by str> cannot'):
+        refuse_unwritable(Config(dict(a=_WrittenByStr())))
+    with pytest.raises(MmdtrError) as info:
+        refuse_unwritable(
+            Config(dict(model=torch.nn.Sequential(torch.nn.ReLU()))))
+    assert 'model=Sequential( (0): ReLU() )' in info.value.message
