@@ -76,7 +76,7 @@ def plot_sweep(records: List[dict], path: str) -> str:
                 color='tab:gray',
                 ls='-.',
                 label='dispatch floor')
-        elif r['technique'] == 'dtr' and never_evicts(r['threshold']):
+        elif r['technique'] == 'dtr' and never_evicts(r.get('threshold')):
             ax_time.axhline(
                 r['median_step_s'],
                 color='tab:green',
@@ -123,7 +123,7 @@ def plot_time_vs_peak(results: dict, path: str) -> str:
     for r in _ok(results.get('compare', {}).get(
             'runs', [])) + [r for r in _ok(sweep) if r not in line]:
         marker = _MARKERS.get(r['technique'], 'o')
-        if r['technique'] == 'dtr' and never_evicts(r['threshold']):
+        if r['technique'] == 'dtr' and never_evicts(r.get('threshold')):
             marker = '*'
         ax.plot(
             r['peak_engine'] / MIB,
