@@ -101,13 +101,18 @@ class SyntheticImageDataset(_SyntheticDataset):
                  seed: int = 0,
                  num_channels: int = 3):
         super().__init__(num_samples, seed)
+        given = image_size
         if isinstance(image_size, (int, np.integer)):
             image_size = (image_size, image_size)
-        image_size = tuple(image_size)
+        try:  # a string is refused whole, not read as its characters
+            image_size = () if isinstance(image_size,
+                                          (str, bytes)) else tuple(image_size)
+        except TypeError:  # None, a float: not a pair
+            image_size = ()
         if len(image_size) != 2:
             raise MmdtrError(
                 f'image_size must be an int or (height, width), got '
-                f'{image_size!r}.',
+                f'{given!r}.',
                 hint='give one side for square images, e.g. image_size=112, '
                 'or two, e.g. image_size=(112, 96).')
         for size in image_size:

@@ -9,7 +9,7 @@ from mmengine.model import BaseModel
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .base_classifier import MODES, describe_value
+from .base_classifier import MODES, check_probability, describe_value
 from .data_preprocessor import build_data_preprocessor
 
 
@@ -164,6 +164,11 @@ class GPTDecoder(BaseModel):
                     f'GPTDecoder {key} must be a positive int, got '
                     f'{value!r}.',
                     hint=f'set model.{key} to an int of 1 or more.')
+        for key, value in dict(
+                embed_dropout=embed_dropout,
+                attn_dropout=attn_dropout,
+                resid_dropout=resid_dropout).items():
+            check_probability('GPTDecoder', key, value)
         if embed_dims % num_heads:
             raise MmdtrError(
                 f'GPTDecoder embed_dims ({embed_dims}) must be divisible by '

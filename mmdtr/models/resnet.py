@@ -7,7 +7,7 @@ import torch.nn as nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              init_conv_bn_linear)
+                              check_probability, init_conv_bn_linear)
 
 
 def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
@@ -217,6 +217,7 @@ class ResNetClassifier(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
+        check_probability(type(self).__name__, 'dropout', dropout)
         self.backbone = ResNet(depth, in_channels, base_channels,
                                zero_init_residual)
         self.head = LinearClsHead(self.backbone.out_channels, num_classes,

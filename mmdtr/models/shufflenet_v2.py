@@ -7,7 +7,7 @@ import torch.nn as nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              init_conv_bn_linear)
+                              check_probability, init_conv_bn_linear)
 
 
 def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -224,6 +224,7 @@ class ShuffleNetV2Classifier(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
+        check_probability(type(self).__name__, 'dropout', dropout)
         self.backbone = ShuffleNetV2(widen_factor, in_channels)
         self.head = LinearClsHead(self.backbone.out_channels, num_classes,
                                   dropout)

@@ -8,7 +8,7 @@ import torch.nn as nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              init_conv_bn_linear)
+                              check_probability, init_conv_bn_linear)
 from .shufflenet_v2 import ShuffleUnit, conv_bn
 
 #: choice name -> ShuffleUnit keyword arguments
@@ -114,6 +114,7 @@ class SPOSSupernet(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
+        check_probability(type(self).__name__, 'dropout', dropout)
         choices = tuple(choices)
         unknown = [name for name in choices if name not in SPOS_CHOICES]
         if not choices or unknown or len(set(choices)) != len(choices):

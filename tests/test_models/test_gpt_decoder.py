@@ -112,6 +112,9 @@ def test_bad_arguments_and_inputs_raise():
         GPTDecoder(embed_dims=30, num_heads=4)
     with pytest.raises(MmdtrError, match='num_layers'):
         GPTDecoder(num_layers=0)
+    for key in ('embed_dropout', 'attn_dropout', 'resid_dropout'):
+        with pytest.raises(MmdtrError, match=f'GPTDecoder {key}'):
+            GPTDecoder(**{key: 2.0})
     model = GPTDecoder(**TINY)
     with pytest.raises(MmdtrError, match='max_seq_len=16'):
         model(_tokens(1, 17))

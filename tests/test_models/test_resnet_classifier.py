@@ -91,6 +91,9 @@ def test_bad_arguments_and_inputs_raise():
         ResNetClassifier(depth=42)
     with pytest.raises(MmdtrError, match='num_classes'):
         ResNetClassifier(depth=18, num_classes=0)
+    for dropout in (1.5, -0.1, '0.1', True):
+        with pytest.raises(MmdtrError, match='ResNetClassifier dropout'):
+            ResNetClassifier(depth=18, dropout=dropout)
     model = ResNetClassifier(depth=18, num_classes=4)
     images, labels = _batch(4)
     with pytest.raises(MmdtrError, match='data_samples'):

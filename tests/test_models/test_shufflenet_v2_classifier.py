@@ -77,6 +77,8 @@ def test_uses_bn_and_inplace_relu():
 def test_bad_arguments_raise():
     with pytest.raises(MmdtrError, match='widen_factor'):
         ShuffleNetV2Classifier(widen_factor=0.7)
+    with pytest.raises(MmdtrError, match='ShuffleNetV2Classifier dropout'):
+        ShuffleNetV2Classifier(dropout=-0.5)
     with pytest.raises(MmdtrError, match='keeps the channels'):
         ShuffleUnit(8, 16, stride=1)
     with pytest.raises(MmdtrError, match='even'):

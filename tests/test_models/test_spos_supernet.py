@@ -144,5 +144,7 @@ def test_bad_arguments_raise():
         SPOSSupernet(choices=[])
     with pytest.raises(MmdtrError, match='seed'):
         SPOSSupernet(seed=-1)
+    with pytest.raises(MmdtrError, match='SPOSSupernet dropout'):
+        SPOSSupernet(dropout=1.01)
     with pytest.raises(MmdtrError, match='same length'):
         SPOSSupernet(stage_blocks=(1, 1), stage_channels=(8, 16, 32))
