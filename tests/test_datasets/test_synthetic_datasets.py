@@ -143,17 +143,19 @@ def test_indexing_bounds():
     assert len(list(dataset)) == 3
 
 
-@pytest.mark.parametrize('kwargs,match', [
-    (dict(num_samples=0), 'num_samples'),
-    (dict(seed=-1), 'seed'),
-    (dict(image_size=(8, 8, 8)), 'image_size'),
-    (dict(image_size=0), 'image_size'),
-    # a string whole, not its characters; None and a float by name too
-    (dict(image_size='112'), "got '112'"),
-    (dict(image_size=None), 'image_size .* got None'),
-    (dict(image_size=112.0), 'got 112.0'),
-    (dict(num_classes=0), 'num_classes'),
-])
+@pytest.mark.parametrize(
+    'kwargs,match',
+    [
+        (dict(num_samples=0), 'num_samples'),
+        (dict(seed=-1), 'seed'),
+        (dict(image_size=(8, 8, 8)), 'image_size'),
+        (dict(image_size=0), 'image_size'),
+        # a string whole, not its characters; None and a float by name too
+        (dict(image_size='112'), "got '112'"),
+        (dict(image_size=None), 'image_size .* got None'),
+        (dict(image_size=112.0), 'got 112.0'),
+        (dict(num_classes=0), 'num_classes'),
+    ])
 def test_bad_image_arguments_raise(kwargs, match):
     with pytest.raises(MmdtrError, match=match):
         _image_ds(**kwargs)
