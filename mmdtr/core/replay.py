@@ -159,9 +159,9 @@ class Replayer:
             return ('cuda', device), torch.cuda.get_rng_state(device)
         return None, torch.get_rng_state()
 
-    def materialize(self, rec, version, stale=False):
+    def materialize(self, rec, version):
         """Return ``rec``'s storage at ``version``, recomputing if needed
-        (also if it is resident but ``stale``: written unseen, R13).
+        (also if it is resident but shrank below the dispatcher, R13).
 
         A rebuild rebuilds the evicted inputs it reads first, theirs before
         them, in the order a recursion would; but each rebuild is a
@@ -170,7 +170,7 @@ class Replayer:
         stack or a thread's C stack (a recursion overflowed them at 4000
         ops, and a 256 KiB C stack at 600, R6).
         """
-        storage, stale = self._at_hand(rec, version, stale)
+        storage, stale = self._at_hand(rec, version, False)
         if storage is not None:
             return storage
         # one frame per rebuild in progress (_rebuild_frame). The storage
