@@ -74,7 +74,14 @@ def enable() -> DTR:
 
 
 def disable() -> DTRStats:
-    """Turn DTR off for this thread and return what the engine did."""
+    """Turn DTR off for this thread and return what the engine did.
+
+    Returns:
+        DTRStats: The stats of the engine :func:`enable` started.
+
+    Raises:
+        MmdtrError: If DTR is not enabled on this thread.
+    """
     engine = getattr(_local, 'engine', None)
     if engine is None:
         raise MmdtrError('DTR is not enabled on this thread.',

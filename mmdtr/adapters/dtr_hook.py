@@ -235,10 +235,10 @@ class DTRHook(Hook):
             evicted. Defaults to 1 MiB.
         enable_sqrt_sampling (bool): Score about sqrt(N) sampled candidates
             per eviction. Defaults to False.
-        policy (str): ``'dtr'``, ``'dtr_local'``, ``'lru'``,
+        policy (str | None): ``'dtr'``, ``'dtr_local'``, ``'lru'``,
             ``'largest'``, or a name registered with
-            :func:`mmdtr.dtr.register_policy`; ``None`` is the default,
-            ``'dtr'``.
+            :func:`mmdtr.dtr.register_policy`; ``None`` means ``'dtr'``.
+            Defaults to ``'dtr'``.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:
