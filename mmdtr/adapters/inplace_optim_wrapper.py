@@ -81,7 +81,8 @@ class InplaceOptimWrapper(OptimWrapper):
             naming the closest accepted one).
 
     Raises:
-        MmdtrError: If a setting is not accepted (checked by
+        MmdtrError: If ``optimizer`` is not an ``Optimizer``, or a setting
+            is not accepted (checked by
             :mod:`mmdtr.adapters.inplace_optim_settings`: e.g. a
             ``clip_value`` or ``max_norm`` that is not a positive finite
             number, an infinite ``loss_scale``, an unknown key), if
@@ -112,6 +113,13 @@ class InplaceOptimWrapper(OptimWrapper):
                  **unknown):
         # validate every setting (and build the loss scaler, which touches
         # nothing else) before the optimizer or a parameter is changed
+        if not isinstance(optimizer, Optimizer):  # as OptimWrapper's assert
+            raise MmdtrError(
+                f'InplaceOptimWrapper optimizer must be a '
+                f'torch.optim.Optimizer, got {optimizer!r}.',
+                hint="give optim_wrapper.optimizer as a config dict, e.g. "
+                "optimizer=dict(type='SGD', lr=0.1), or an Optimizer built "
+                'over the model\'s parameters.')
         check_keys(unknown, WRAPPER_KEYS + BUILDER_KEYS, KEY,
                    'an InplaceOptimWrapper argument', unknown)
         check_step_in_backward(step_in_backward)

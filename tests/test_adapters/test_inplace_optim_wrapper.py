@@ -189,6 +189,12 @@ def test_unknown_keys_name_the_closest_accepted_one(kwargs, hint):
     assert hint in info.value.hint
 
 
+@pytest.mark.parametrize('optimizer', ['sgd', dict(type='SGD', lr=0.1)])
+def test_an_optimizer_not_built_is_refused_by_name(optimizer):
+    with pytest.raises(MmdtrError, match='optimizer must be a torch.optim'):
+        InplaceOptimWrapper(optimizer)
+
+
 class ForeachLBFGS(torch.optim.LBFGS):
     """Not per-parameter, with a ``foreach`` option that make_inplace sets."""
 
