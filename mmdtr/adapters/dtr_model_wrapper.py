@@ -16,7 +16,7 @@ from torch import nn
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
 from .distributed import MMDTRDistributedDataParallel
-from .dtr_train_step import DTRTrainStep, dtr_settings, model_device
+from .dtr_train_step import DTRTrainStep, model_device
 
 
 @MODEL_WRAPPERS.register_module()
@@ -39,7 +39,8 @@ class DTRDistributedDataParallel(MMDTRDistributedDataParallel):
 
     Args:
         module (nn.Module): The model to wrap.
-        dtr (dict, optional): DTR settings, see :func:`dtr_settings`.
+        dtr (dict, optional): DTR settings, see
+            :func:`~mmdtr.adapters.dtr_train_step.dtr_settings`.
             Defaults to None (no DTR until :meth:`enable_dtr`).
         detect_anomalous_params (bool): See ``MMDistributedDataParallel``.
             Defaults to False.
@@ -73,7 +74,8 @@ class DTRDistributedDataParallel(MMDTRDistributedDataParallel):
         """Run every following ``train_step`` under DTR.
 
         Args:
-            settings (dict): See :func:`dtr_settings`.
+            settings (dict): See
+                :func:`~mmdtr.adapters.dtr_train_step.dtr_settings`.
             message_hub (MessageHub, optional): Where statistics go.
             key (str): The config key, for error messages.
 
@@ -90,9 +92,8 @@ class DTRDistributedDataParallel(MMDTRDistributedDataParallel):
                 f'DTR is configured twice for {type(self).__name__}: '
                 f'{key}={settings!r} and {self.dtr_step.settings!r}.',
                 hint='keep either the dtr key or model_wrapper_cfg.dtr.')
-        device = model_device(self.module)
-        dtr_settings(settings, key, device)
-        self.dtr_step = DTRTrainStep(settings, device, message_hub)
+        self.dtr_step = DTRTrainStep(settings, model_device(self.module),
+                                     message_hub, key)
         return self.dtr_step
 
     def disable_dtr(self) -> None:

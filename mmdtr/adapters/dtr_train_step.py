@@ -147,6 +147,8 @@ class DTRTrainStep:
             model's. Defaults to the engine's default.
         message_hub (MessageHub, optional): Where the statistics go.
             Defaults to ``MessageHub.get_current_instance()`` at each call.
+        key (str): The settings' config key, named in an error. Defaults
+            to ``'dtr'``.
 
     Examples:
         >>> step = DTRTrainStep(dict(eviction_threshold='2GB'))
@@ -157,8 +159,9 @@ class DTRTrainStep:
     def __init__(self,
                  settings: dict,
                  device=None,
-                 message_hub: Optional[MessageHub] = None):
-        self.settings = dtr_settings(settings, device=device)
+                 message_hub: Optional[MessageHub] = None,
+                 key: str = 'dtr'):
+        self.settings = dtr_settings(settings, key, device)
         self.device = device
         self.message_hub = message_hub
         #: DTRStats of the latest iteration that ended without an error
