@@ -317,7 +317,8 @@ class StorageRecord:
                     break
         if root.parent is not None:
             # merged into another class during the walk: a collection freed
-            # a storage whose users join the classes (fake deletion, R12)
+            # a storage whose users join the classes (fake deletion, R8;
+            # the collection, R12)
             root.root().cost -= self.cost
             return
         if inside <= 1 or len(root.members) > SPLIT_AT_MOST:
