@@ -4,7 +4,10 @@
 # Scale up, e.g.: --cfg-options train_dataloader.batch_size=128 \
 #     train_dataloader.dataset.image_size=224 model.widen_factor=2.0
 # Under DDP, also set model_wrapper_cfg=dict(
-#     type='MMDistributedDataParallel', find_unused_parameters=True).
+#     type='MMDistributedDataParallel', find_unused_parameters=True); from
+#     the command line: --cfg-options \
+#     model_wrapper_cfg.type=MMDistributedDataParallel \
+#     model_wrapper_cfg.find_unused_parameters=True
 _base_ = [
     '_base_/models/spos_shufflenet.py',
     '_base_/datasets/synthetic_image.py',
