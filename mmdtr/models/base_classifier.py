@@ -12,25 +12,6 @@ from .data_preprocessor import build_data_preprocessor
 MODES = ('tensor', 'loss', 'predict')
 
 
-def check_probability(owner: str, key: str, value) -> None:
-    """Refuse a dropout probability that is not a number in [0, 1].
-
-    Args:
-        owner (str): The model's class name, for the message.
-        key (str): The argument's name (``model.<key>`` in a config).
-        value: The value given.
-
-    Raises:
-        MmdtrError: If ``value`` is not an int or float between 0 and 1.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= 1:
-        raise MmdtrError(
-            f'{owner} {key} must be a probability between 0 and 1, got '
-            f'{value!r}.',
-            hint=f'set model.{key} to a float such as 0.1 (0 for none).')
-
-
 class LinearClsHead(nn.Module):
     """Global average pooling, optional dropout and a linear classifier.
 
@@ -92,7 +73,9 @@ class BaseImageClassifier(BaseModel):
                  num_classes: int,
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
-        if not isinstance(num_classes, int) or num_classes < 1:
+        if isinstance(
+                num_classes,
+                bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise MmdtrError(
                 f'model.num_classes must be a positive int, got '
                 f'{num_classes!r}.',

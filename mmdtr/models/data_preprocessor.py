@@ -1,10 +1,13 @@
 """A data preprocessor that stacks a batch and moves it to the model."""
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
+from mmengine.config import Config
 from mmengine.model import BaseDataPreprocessor
 
+from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
+from .arguments import check_bool
 
 
 def _stack_if_tensor_list(value):
@@ -36,7 +39,8 @@ class TensorBatchPreprocessor(BaseDataPreprocessor):
         ...     data_preprocessor=dict(type='TensorBatchPreprocessor'))
     """
 
-    def __init__(self, non_blocking: Optional[bool] = False):
+    def __init__(self, non_blocking: bool = False):
+        check_bool('model.data_preprocessor.non_blocking', non_blocking)
         super().__init__(non_blocking=non_blocking)
 
     def forward(self, data: dict, training: bool = False) -> dict:
@@ -70,9 +74,19 @@ def build_data_preprocessor(cfg) -> torch.nn.Module:
 
     Returns:
         nn.Module: The data preprocessor.
+
+    Raises:
+        MmdtrError: If ``cfg`` is neither None, a module nor a dict with a
+            ``type``.
     """
     if cfg is None:
         cfg = dict(type='TensorBatchPreprocessor')
     if isinstance(cfg, torch.nn.Module):
         return cfg
+    if not isinstance(cfg, (dict, Config)) or 'type' not in cfg:
+        raise MmdtrError(
+            f'model.data_preprocessor={cfg!r} is not accepted: None, a '
+            'config dict with a type, or a module.',
+            hint="e.g. data_preprocessor=dict(type='TensorBatchPreprocessor'"
+            '), or leave it out for that default.')
     return MODELS.build(cfg)

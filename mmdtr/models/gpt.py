@@ -9,7 +9,8 @@ from mmengine.model import BaseModel
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .base_classifier import MODES, check_probability, describe_value
+from .arguments import check_positive_int, check_probability
+from .base_classifier import MODES, describe_value
 from .data_preprocessor import build_data_preprocessor
 
 
@@ -159,11 +160,7 @@ class GPTDecoder(BaseModel):
             embed_dims=embed_dims,
             mlp_ratio=mlp_ratio)
         for key, value in sizes.items():
-            if not isinstance(value, int) or value < 1:
-                raise MmdtrError(
-                    f'GPTDecoder {key} must be a positive int, got '
-                    f'{value!r}.',
-                    hint=f'set model.{key} to an int of 1 or more.')
+            check_positive_int('GPTDecoder', key, value)
         for key, value in dict(
                 embed_dropout=embed_dropout,
                 attn_dropout=attn_dropout,

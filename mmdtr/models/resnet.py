@@ -6,8 +6,9 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
+from .arguments import check_bool, check_positive_int, check_probability
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              check_probability, init_conv_bn_linear)
+                              init_conv_bn_linear)
 
 
 def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
@@ -137,12 +138,16 @@ class ResNet(nn.Module):
                  base_channels: int = 64,
                  zero_init_residual: bool = False):
         super().__init__()
-        if depth not in self.arch_settings:
+        if isinstance(depth, bool) or not isinstance(
+                depth, int) or depth not in self.arch_settings:
             raise MmdtrError(
                 f'ResNet depth must be one of '
                 f'{sorted(self.arch_settings)}, got {depth!r}.',
                 hint='set model.depth to one of those, e.g. '
                 '--cfg-options model.depth=101.')
+        check_positive_int('ResNet', 'in_channels', in_channels)
+        check_positive_int('ResNet', 'base_channels', base_channels)
+        check_bool('model.zero_init_residual', zero_init_residual)
         block, stage_blocks = self.arch_settings[depth]
         self.depth = depth
         self.conv1 = nn.Conv2d(

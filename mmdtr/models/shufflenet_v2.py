@@ -6,8 +6,9 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
+from .arguments import check_positive_int, check_probability
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              check_probability, init_conv_bn_linear)
+                              init_conv_bn_linear)
 
 
 def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -166,11 +167,13 @@ class ShuffleNetV2(nn.Module):
 
     def __init__(self, widen_factor: float = 1.0, in_channels: int = 3):
         super().__init__()
-        if widen_factor not in self.arch_settings:
+        if not isinstance(widen_factor, (int, float)) or isinstance(
+                widen_factor, bool) or widen_factor not in self.arch_settings:
             raise MmdtrError(
                 f'ShuffleNetV2 widen_factor must be one of '
                 f'{sorted(self.arch_settings)}, got {widen_factor!r}.',
                 hint='set model.widen_factor to one of those, e.g. 1.0.')
+        check_positive_int('ShuffleNetV2', 'in_channels', in_channels)
         *stage_channels, last_channels = self.arch_settings[widen_factor]
         stem_channels = 24
         self.stem = nn.Sequential(*conv_bn(in_channels, stem_channels, 3, 2))

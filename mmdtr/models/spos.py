@@ -7,8 +7,9 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
+from .arguments import check_positive_int, check_probability
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
-                              check_probability, init_conv_bn_linear)
+                              init_conv_bn_linear)
 from .shufflenet_v2 import ShuffleUnit, conv_bn
 
 #: choice name -> ShuffleUnit keyword arguments
@@ -23,6 +24,14 @@ SPOS_CHOICES = {
 def _make_divisible(value: float, divisor: int = 8) -> int:
     """Round ``value`` to the nearest multiple of ``divisor`` (>= divisor)."""
     return max(divisor, int(value + divisor / 2) // divisor * divisor)
+
+
+def _positive_ints(values) -> bool:
+    """Whether ``values`` is a non-empty list or tuple of ints of 1 or more
+    (bools refused)."""
+    return isinstance(values, (list, tuple)) and len(values) > 0 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        for v in values)
 
 
 class ChoiceLayer(nn.Module):
@@ -115,23 +124,40 @@ class SPOSSupernet(BaseImageClassifier):
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
         check_probability(type(self).__name__, 'dropout', dropout)
-        choices = tuple(choices)
-        unknown = [name for name in choices if name not in SPOS_CHOICES]
+        given = choices
+        choices = tuple(choices) if isinstance(choices, (list, tuple)) else ()
+        unknown = [
+            name for name in choices
+            if not isinstance(name, str) or name not in SPOS_CHOICES
+        ]
         if not choices or unknown or len(set(choices)) != len(choices):
             raise MmdtrError(
-                f'SPOSSupernet choices must be distinct names from '
-                f'{list(SPOS_CHOICES)}, got {list(choices)}.',
+                f'SPOSSupernet choices must be a list of distinct names from '
+                f'{list(SPOS_CHOICES)}, got {given!r}.',
                 hint='give at least one of those names, each once, e.g. '
                 "choices=['shuffle_3x3', 'shuffle_7x7'].")
-        if len(stage_blocks) != len(stage_channels) or min(stage_blocks) < 1:
+        if not isinstance(widen_factor, (int, float)) or isinstance(
+                widen_factor, bool) or not 0 < widen_factor < float('inf'):
             raise MmdtrError(
-                'SPOSSupernet stage_blocks and stage_channels must have the '
-                f'same length and positive block counts, got {stage_blocks} '
-                f'and {stage_channels}.',
+                'SPOSSupernet widen_factor must be a positive number, got '
+                f'{widen_factor!r}.',
+                hint='set model.widen_factor to e.g. 1.0 (channels are '
+                'rounded to multiples of 8).')
+        for key, value in dict(
+                in_channels=in_channels,
+                stem_channels=stem_channels,
+                last_channels=last_channels).items():
+            check_positive_int('SPOSSupernet', key, value)
+        if not (_positive_ints(stage_blocks) and _positive_ints(stage_channels)
+                and len(stage_blocks) == len(stage_channels)):
+            raise MmdtrError(
+                'SPOSSupernet stage_blocks and stage_channels must be lists '
+                'of positive ints of the same length, got '
+                f'{stage_blocks!r} and {stage_channels!r}.',
                 hint='give one block count of 1 or more and one channel '
                 'count per stage, e.g. stage_blocks=(4, 4, 8, 4) with '
                 'stage_channels=(64, 160, 320, 640).')
-        if not isinstance(seed, int) or seed < 0:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise MmdtrError(
                 f'SPOSSupernet seed must be a non-negative int, got {seed!r}.',
                 hint='set model.seed to an int of 0 or more, e.g. seed=0.')

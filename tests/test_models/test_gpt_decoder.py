@@ -112,6 +112,8 @@ def test_bad_arguments_and_inputs_raise():
         GPTDecoder(embed_dims=30, num_heads=4)
     with pytest.raises(MmdtrError, match='num_layers'):
         GPTDecoder(num_layers=0)
+    with pytest.raises(MmdtrError, match='num_layers must be a positive'):
+        GPTDecoder(num_layers=True)
     for key in ('embed_dropout', 'attn_dropout', 'resid_dropout'):
         with pytest.raises(MmdtrError, match=f'GPTDecoder {key}'):
             GPTDecoder(**{key: 2.0})

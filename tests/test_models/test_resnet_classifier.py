@@ -104,3 +104,20 @@ def test_bad_arguments_and_inputs_raise():
         model(images[0], labels, mode='loss')
     with pytest.raises(MmdtrError, match='int64'):
         model(images, labels.float(), mode='loss')
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(depth=[18, 34]), 'depth must be one of'),
+    (dict(depth=True), 'depth must be one of'),
+    (dict(in_channels='abc'), 'ResNet in_channels must be a positive int'),
+    (dict(base_channels=0), 'ResNet base_channels must be a positive int'),
+    (dict(zero_init_residual='False'), 'zero_init_residual must be True or'),
+    (dict(num_classes=True), 'num_classes must be a positive int'),
+    (dict(data_preprocessor=[]), 'data_preprocessor=.* is not accepted'),
+    (dict(
+        data_preprocessor=dict(type='TensorBatchPreprocessor',
+                               non_blocking=1)), 'non_blocking must be'),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name(kwargs, match):
+    with pytest.raises(MmdtrError, match=match):
+        ResNetClassifier(**{'depth': 18, **kwargs})

@@ -79,6 +79,10 @@ def test_bad_arguments_raise():
         ShuffleNetV2Classifier(widen_factor=0.7)
     with pytest.raises(MmdtrError, match='ShuffleNetV2Classifier dropout'):
         ShuffleNetV2Classifier(dropout=-0.5)
+    with pytest.raises(MmdtrError, match='widen_factor must be one of'):
+        ShuffleNetV2Classifier(widen_factor=[1, 2])  # unhashable before
+    with pytest.raises(MmdtrError, match='in_channels must be a positive'):
+        ShuffleNetV2Classifier(in_channels=-1)
     with pytest.raises(MmdtrError, match='keeps the channels'):
         ShuffleUnit(8, 16, stride=1)
     with pytest.raises(MmdtrError, match='even'):

@@ -148,3 +148,21 @@ def test_bad_arguments_raise():
         SPOSSupernet(dropout=1.01)
     with pytest.raises(MmdtrError, match='same length'):
         SPOSSupernet(stage_blocks=(1, 1), stage_channels=(8, 16, 32))
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(stage_blocks=4), 'lists of positive ints'),
+    (dict(stage_blocks=[4, 4, 8, 1.5]), 'lists of positive ints'),
+    (dict(stage_channels=[64, 160, 320, 0]), 'lists of positive ints'),
+    (dict(choices='shuffle_3x3'), "choices must be a list .* got 'shuffle"),
+    (dict(choices=['shuffle_3x3', ['x']]), 'choices must be a list'),
+    (dict(choices=None), 'choices must be a list'),
+    (dict(widen_factor=0), 'widen_factor must be a positive number'),
+    (dict(widen_factor=float('nan')), 'widen_factor must be a positive'),
+    (dict(stem_channels=0), 'stem_channels must be a positive int'),
+    (dict(in_channels=True), 'in_channels must be a positive int'),
+    (dict(seed=True), 'seed must be a non-negative int'),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name(kwargs, match):
+    with pytest.raises(MmdtrError, match=match):
+        SPOSSupernet(**kwargs)
