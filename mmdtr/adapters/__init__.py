@@ -10,4 +10,5 @@ from . import distributed  # noqa: F401
 from . import dtr_hook  # noqa: F401
 from . import dtr_model_wrapper  # noqa: F401
 from . import inplace_optim_wrapper  # noqa: F401
+from . import model_data_checks  # noqa: F401
 from . import runner  # noqa: F401

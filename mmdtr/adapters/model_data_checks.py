@@ -1,0 +1,144 @@
+"""Config checks of the model against its data and of its DDP switches.
+
+Each ``@config_check`` runs when the config is translated, before the
+runner and its work dir are built. Found by a fuzz of the constructors'
+arguments (2026-11-28): ``--cfg-options model.num_classes=10`` over a
+dataset of 1000 classes passed ``--check-config`` and failed at the first
+iteration (``IndexError: Target 112 is out of bounds``), and
+``find_unused_parameters='yes'`` failed in every rank inside PyTorch's
+``Reducer``, printing every parameter.
+"""
+import inspect
+import math
+
+from mmdtr.errors import MmdtrError
+from mmdtr.registry import DATASETS, MODELS
+from .config_translation import config_check
+
+#: DDP switches mmdtr's runner or MMEngine's wrappers pass to DDP.
+WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers',
+                 'detect_anomalous_params')
+#: The dataloaders whose datasets are compared with the model.
+DATALOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
+
+
+def _mmdtr_class(spec: dict, registry, default_scope):
+    """The class of mmdtr's that ``spec['type']`` names, or ``None``: a
+    class of mmdtr's, ``'mmdtr.X'``, or a plain name under mmdtr's scope
+    (another scope's name is its own, even if spelt as one of mmdtr's)."""
+    kind = spec.get('type', None)
+    if isinstance(kind, str):
+        scope, _, name = kind.rpartition('.')
+        if (scope or spec.get('_scope_', None) or default_scope) != 'mmdtr':
+            return None
+        kind = registry.module_dict.get(name, None)
+    if inspect.isclass(kind) and kind.__module__.startswith('mmdtr.'):
+        return kind
+    return None
+
+
+def _argument(spec: dict, cls, key: str):
+    """``spec[key]``, or the default of the ``key`` argument of ``cls``
+    or of the first class in its MRO whose ``__init__`` names it."""
+    if key in spec:
+        return spec[key]
+    for klass in cls.__mro__:
+        init = klass.__dict__.get('__init__', None)
+        if init is None:
+            continue
+        param = inspect.signature(init).parameters.get(key, None)
+        if param is not None and param.default is not param.empty:
+            return param.default
+    return None
+
+
+# (model key, dataset key, how they must compare, what it breaks)
+_IMAGE_PAIRS = (('num_classes', 'num_classes', 'at_least', 'labels'),
+                ('in_channels', 'num_channels', 'equal', 'images'))
+_TOKEN_PAIRS = (('vocab_size', 'vocab_size', 'at_least', 'token ids'),
+                ('max_seq_len', 'seq_len', 'at_least', 'sequences'))
+
+
+def _pairs(model_cls, data_cls):
+    from mmdtr.datasets.synthetic import (SyntheticImageDataset,
+                                          SyntheticTokenDataset)
+    from mmdtr.models.base_classifier import BaseImageClassifier
+    from mmdtr.models.gpt import GPTDecoder
+    if issubclass(model_cls, BaseImageClassifier) and issubclass(
+            data_cls, SyntheticImageDataset):
+        return _IMAGE_PAIRS
+    if issubclass(model_cls, GPTDecoder) and issubclass(
+            data_cls, SyntheticTokenDataset):
+        return _TOKEN_PAIRS
+    return ()
+
+
+@config_check
+def check_model_fits_data(cfg, custom_hooks: list) -> None:
+    """Compare the sizes of mmdtr's models with those of mmdtr's synthetic
+    datasets: classes, vocabulary and sequence length at least the data's,
+    image channels equal. Other models and datasets are left alone.
+
+    Raises:
+        MmdtrError: On a size that does not fit, naming both keys.
+    """
+    model = cfg.get('model', None)
+    scope = cfg.get('default_scope', None)
+    model_cls = _mmdtr_class(model, MODELS, scope) if isinstance(
+        model, dict) else None
+    if model_cls is None:
+        return
+    for loader in DATALOADERS:
+        data = (cfg.get(loader, None) or {})
+        data = data.get('dataset', None) if isinstance(data, dict) else None
+        data_cls = _mmdtr_class(data, DATASETS, scope) if isinstance(
+            data, dict) else None
+        for mkey, dkey, rule, what in _pairs(model_cls, data_cls) \
+                if data_cls else ():
+            have = _argument(model, model_cls, mkey)
+            need = _argument(data, data_cls, dkey)
+            if not all(
+                    isinstance(v, int) and not isinstance(v, bool)
+                    for v in (have, need)):
+                continue  # the constructors name a bad value
+            if have == need or rule == 'at_least' and have > need:
+                continue
+            relation = 'differs from' if rule == 'equal' else \
+                'is smaller than'
+            raise MmdtrError(
+                f'model.{mkey}={have} {relation} '
+                f'{loader}.dataset.{dkey}={need}: the model cannot take '
+                f'the dataset\'s {what}.',
+                hint=f'set model.{mkey}={need} (or change '
+                f'{loader}.dataset.{dkey}).')
+
+
+@config_check
+def check_wrapper_switches(cfg, custom_hooks: list) -> None:
+    """``find_unused_parameters`` (top level, which mmdtr's runner reads on
+    CPU) and the DDP switches of ``model_wrapper_cfg`` must be bools, and
+    its ``bucket_cap_mb`` a positive number.
+
+    Raises:
+        MmdtrError: On another value, naming its key.
+    """
+    switches = [('find_unused_parameters',
+                 cfg.get('find_unused_parameters', False))]
+    wrapper = cfg.get('model_wrapper_cfg', None)
+    if isinstance(wrapper, dict):
+        switches += [(f'model_wrapper_cfg.{key}', wrapper[key])
+                     for key in WRAPPER_BOOLS if key in wrapper]
+        cap = wrapper.get('bucket_cap_mb', None)
+        if cap is not None and (isinstance(cap, bool)
+                                or not isinstance(cap, (int, float))
+                                or not 0 < cap < math.inf):
+            raise MmdtrError(
+                f'model_wrapper_cfg.bucket_cap_mb={cap!r} is not accepted: '
+                'a positive number of MiB.',
+                hint='e.g. model_wrapper_cfg.bucket_cap_mb=25 (DDP\'s '
+                'default), or leave it out.')
+    for key, value in switches:
+        if not isinstance(value, bool):
+            raise MmdtrError(
+                f'{key}={value!r} is not accepted: True or False.',
+                hint=f'e.g. --cfg-options {key}=True.')
