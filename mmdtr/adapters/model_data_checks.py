@@ -14,6 +14,7 @@ import math
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
 from .config_translation import config_check
+from .runner_config_checks import refuse_unregistered
 
 #: DDP switches mmdtr's runner or MMEngine's wrappers pass to DDP.
 WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers',
@@ -111,6 +112,27 @@ def check_model_fits_data(cfg, custom_hooks: list) -> None:
                 f'the dataset\'s {what}.',
                 hint=f'set model.{mkey}={need} (or change '
                 f'{loader}.dataset.{dkey}).')
+
+
+@config_check
+def check_dataset_types(cfg, custom_hooks: list) -> None:
+    """Check each dataloader's ``dataset.type`` as ``model.type`` is
+    checked: a name of mmdtr's or MMEngine's scope that is not registered
+    failed when ``runner.train()`` built the dataloader, in a traceback.
+
+    Raises:
+        MmdtrError: On such a name, with the closest registered one.
+    """
+    for loader in DATALOADERS:
+        data = cfg.get(loader, None)
+        data = data.get('dataset', None) if isinstance(data, dict) else None
+        if isinstance(data, dict) and isinstance(data.get('type', None), str):
+            refuse_unregistered(
+                f'{loader}.dataset.type',
+                data['type'],
+                DATASETS,
+                data.get('_scope_', None) or cfg.get('default_scope', None),
+                list_parent=False)
 
 
 @config_check

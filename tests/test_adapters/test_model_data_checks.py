@@ -49,6 +49,12 @@ def _cfg(name, **options):
         'model_wrapper_cfg':
         dict(type='MMDistributedDataParallel', bucket_cap_mb=0)
     }, r'model_wrapper_cfg.bucket_cap_mb=0 is not accepted'),
+    ('resnet50_synthetic.py', {
+        'train_dataloader.dataset.type': 'Nope'
+    }, r"train_dataloader.dataset.type='Nope' is not registered"),
+    ('gpt_synthetic.py', {
+        'train_dataloader.dataset.type': 'SyntheticTokenDatset'
+    }, r"closest match: 'SyntheticTokenDataset'"),
 ])
 def test_sizes_and_switches_that_cannot_work_are_refused(name, options, match):
     with pytest.raises(MmdtrError, match=match):
@@ -70,6 +76,15 @@ FITTING = [
     }),
     ('resnet50_synthetic.py', {
         'find_unused_parameters': True
+    }),
+    # MMEngine's wrappers, and another scope's names, are left alone
+    ('resnet50_synthetic.py', {
+        'train_dataloader.dataset.type': 'RepeatDataset',
+        'train_dataloader.dataset.times': 2,
+        'train_dataloader.dataset.dataset': dict(type='SyntheticImageDataset')
+    }),
+    ('resnet50_synthetic.py', {
+        'train_dataloader.dataset.type': 'mmpretrain.ImageNet'
     }),
 ]
 
