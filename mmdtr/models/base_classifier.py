@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 
 from mmdtr.errors import MmdtrError
+from .arguments import is_integer
 from .data_preprocessor import build_data_preprocessor
 
 MODES = ('tensor', 'loss', 'predict')
@@ -73,9 +74,7 @@ class BaseImageClassifier(BaseModel):
                  num_classes: int,
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
-        if isinstance(
-                num_classes,
-                bool) or not isinstance(num_classes, int) or num_classes < 1:
+        if not is_integer(num_classes) or num_classes < 1:
             raise MmdtrError(
                 f'model.num_classes must be a positive int, got '
                 f'{num_classes!r}.',
@@ -84,7 +83,7 @@ class BaseImageClassifier(BaseModel):
         super().__init__(
             data_preprocessor=build_data_preprocessor(data_preprocessor),
             init_cfg=init_cfg)
-        self.num_classes = num_classes
+        self.num_classes = int(num_classes)
 
     def forward(
         self,

@@ -40,8 +40,9 @@ class TensorBatchPreprocessor(BaseDataPreprocessor):
     """
 
     def __init__(self, non_blocking: bool = False):
-        check_bool('model.data_preprocessor.non_blocking', non_blocking)
-        super().__init__(non_blocking=non_blocking)
+        super().__init__(
+            non_blocking=check_bool('model.data_preprocessor.non_blocking',
+                                    non_blocking))
 
     def forward(self, data: dict, training: bool = False) -> dict:
         """Stack the batch and copy it to the model's device.

@@ -159,13 +159,19 @@ class GPTDecoder(BaseModel):
             num_heads=num_heads,
             embed_dims=embed_dims,
             mlp_ratio=mlp_ratio)
-        for key, value in sizes.items():
-            check_positive_int('GPTDecoder', key, value)
-        for key, value in dict(
-                embed_dropout=embed_dropout,
-                attn_dropout=attn_dropout,
-                resid_dropout=resid_dropout).items():
+        (vocab_size, max_seq_len, num_layers, num_heads, embed_dims,
+         mlp_ratio) = [
+             check_positive_int('GPTDecoder', key, value)
+             for key, value in sizes.items()
+         ]
+        drops = dict(
+            embed_dropout=embed_dropout,
+            attn_dropout=attn_dropout,
+            resid_dropout=resid_dropout)
+        embed_dropout, attn_dropout, resid_dropout = [
             check_probability('GPTDecoder', key, value)
+            for key, value in drops.items()
+        ]
         if embed_dims % num_heads:
             raise MmdtrError(
                 f'GPTDecoder embed_dims ({embed_dims}) must be divisible by '

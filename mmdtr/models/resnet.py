@@ -6,7 +6,8 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import check_bool, check_positive_int, check_probability
+from .arguments import (check_bool, check_positive_int, check_probability,
+                        is_integer)
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
                               init_conv_bn_linear)
 
@@ -138,16 +139,18 @@ class ResNet(nn.Module):
                  base_channels: int = 64,
                  zero_init_residual: bool = False):
         super().__init__()
-        if isinstance(depth, bool) or not isinstance(
-                depth, int) or depth not in self.arch_settings:
+        if not is_integer(depth) or depth not in self.arch_settings:
             raise MmdtrError(
                 f'ResNet depth must be one of '
                 f'{sorted(self.arch_settings)}, got {depth!r}.',
                 hint='set model.depth to one of those, e.g. '
                 '--cfg-options model.depth=101.')
-        check_positive_int('ResNet', 'in_channels', in_channels)
-        check_positive_int('ResNet', 'base_channels', base_channels)
-        check_bool('model.zero_init_residual', zero_init_residual)
+        depth = int(depth)
+        in_channels = check_positive_int('ResNet', 'in_channels', in_channels)
+        base_channels = check_positive_int('ResNet', 'base_channels',
+                                           base_channels)
+        zero_init_residual = check_bool('model.zero_init_residual',
+                                        zero_init_residual)
         block, stage_blocks = self.arch_settings[depth]
         self.depth = depth
         self.conv1 = nn.Conv2d(
@@ -222,7 +225,7 @@ class ResNetClassifier(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
-        check_probability(type(self).__name__, 'dropout', dropout)
+        dropout = check_probability(type(self).__name__, 'dropout', dropout)
         self.backbone = ResNet(depth, in_channels, base_channels,
                                zero_init_residual)
         self.head = LinearClsHead(self.backbone.out_channels, num_classes,

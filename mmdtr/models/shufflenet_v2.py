@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import check_positive_int, check_probability
+from .arguments import check_positive_int, check_probability, is_real
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
                               init_conv_bn_linear)
 
@@ -167,13 +167,14 @@ class ShuffleNetV2(nn.Module):
 
     def __init__(self, widen_factor: float = 1.0, in_channels: int = 3):
         super().__init__()
-        if not isinstance(widen_factor, (int, float)) or isinstance(
-                widen_factor, bool) or widen_factor not in self.arch_settings:
+        if not is_real(widen_factor) or widen_factor not in self.arch_settings:
             raise MmdtrError(
                 f'ShuffleNetV2 widen_factor must be one of '
                 f'{sorted(self.arch_settings)}, got {widen_factor!r}.',
                 hint='set model.widen_factor to one of those, e.g. 1.0.')
-        check_positive_int('ShuffleNetV2', 'in_channels', in_channels)
+        widen_factor = float(widen_factor)
+        in_channels = check_positive_int('ShuffleNetV2', 'in_channels',
+                                         in_channels)
         *stage_channels, last_channels = self.arch_settings[widen_factor]
         stem_channels = 24
         self.stem = nn.Sequential(*conv_bn(in_channels, stem_channels, 3, 2))
@@ -227,7 +228,7 @@ class ShuffleNetV2Classifier(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
-        check_probability(type(self).__name__, 'dropout', dropout)
+        dropout = check_probability(type(self).__name__, 'dropout', dropout)
         self.backbone = ShuffleNetV2(widen_factor, in_channels)
         self.head = LinearClsHead(self.backbone.out_channels, num_classes,
                                   dropout)

@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import check_positive_int, check_probability
+from .arguments import (check_positive_int, check_probability, is_integer,
+                        is_real)
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
                               init_conv_bn_linear)
 from .shufflenet_v2 import ShuffleUnit, conv_bn
@@ -26,12 +27,18 @@ def _make_divisible(value: float, divisor: int = 8) -> int:
     return max(divisor, int(value + divisor / 2) // divisor * divisor)
 
 
-def _positive_ints(values) -> bool:
-    """Whether ``values`` is a non-empty list or tuple of ints of 1 or more
-    (bools refused)."""
-    return isinstance(values, (list, tuple)) and len(values) > 0 and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1
-        for v in values)
+def _positive_ints(values) -> Optional[Tuple[int, ...]]:
+    """``values`` as a non-empty tuple of ints of 1 or more (whole floats
+    and NumPy's numbers too; bools refused), or ``None`` if it is not
+    one."""
+    try:
+        values = () if isinstance(values, (str, bytes)) else tuple(values)
+    except TypeError:  # not iterable
+        return None
+    if values and all(
+            is_real(v) and v >= 1 and float(v).is_integer() for v in values):
+        return tuple(int(v) for v in values)
+    return None
 
 
 class ChoiceLayer(nn.Module):
@@ -123,9 +130,13 @@ class SPOSSupernet(BaseImageClassifier):
                  data_preprocessor: Optional[Union[dict, nn.Module]] = None,
                  init_cfg: Optional[dict] = None):
         super().__init__(num_classes, data_preprocessor, init_cfg)
-        check_probability(type(self).__name__, 'dropout', dropout)
+        dropout = check_probability(type(self).__name__, 'dropout', dropout)
         given = choices
-        choices = tuple(choices) if isinstance(choices, (list, tuple)) else ()
+        try:  # any iterable of names but a string (its characters)
+            choices = () if isinstance(choices,
+                                       (str, bytes)) else tuple(choices)
+        except TypeError:
+            choices = ()
         unknown = [
             name for name in choices
             if not isinstance(name, str) or name not in SPOS_CHOICES
@@ -136,20 +147,23 @@ class SPOSSupernet(BaseImageClassifier):
                 f'{list(SPOS_CHOICES)}, got {given!r}.',
                 hint='give at least one of those names, each once, e.g. '
                 "choices=['shuffle_3x3', 'shuffle_7x7'].")
-        if not isinstance(widen_factor, (int, float)) or isinstance(
-                widen_factor, bool) or not 0 < widen_factor < float('inf'):
+        if not is_real(widen_factor) or not 0 < widen_factor < float('inf'):
             raise MmdtrError(
                 'SPOSSupernet widen_factor must be a positive number, got '
                 f'{widen_factor!r}.',
                 hint='set model.widen_factor to e.g. 1.0 (channels are '
                 'rounded to multiples of 8).')
-        for key, value in dict(
-                in_channels=in_channels,
-                stem_channels=stem_channels,
-                last_channels=last_channels).items():
+        sizes = dict(
+            in_channels=in_channels,
+            stem_channels=stem_channels,
+            last_channels=last_channels)
+        in_channels, stem_channels, last_channels = [
             check_positive_int('SPOSSupernet', key, value)
-        if not (_positive_ints(stage_blocks) and _positive_ints(stage_channels)
-                and len(stage_blocks) == len(stage_channels)):
+            for key, value in sizes.items()
+        ]
+        blocks, channels = (_positive_ints(stage_blocks),
+                            _positive_ints(stage_channels))
+        if blocks is None or channels is None or len(blocks) != len(channels):
             raise MmdtrError(
                 'SPOSSupernet stage_blocks and stage_channels must be lists '
                 'of positive ints of the same length, got '
@@ -157,12 +171,14 @@ class SPOSSupernet(BaseImageClassifier):
                 hint='give one block count of 1 or more and one channel '
                 'count per stage, e.g. stage_blocks=(4, 4, 8, 4) with '
                 'stage_channels=(64, 160, 320, 640).')
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        if not is_integer(seed) or seed < 0:
             raise MmdtrError(
                 f'SPOSSupernet seed must be a non-negative int, got {seed!r}.',
                 hint='set model.seed to an int of 0 or more, e.g. seed=0.')
         self.choices = choices
-        self.seed = seed
+        self.seed = seed = int(seed)
+        widen_factor, stage_blocks, stage_channels = (float(widen_factor),
+                                                      blocks, channels)
 
         stem = [nn.Conv2d(in_channels, stem_channels, 3, 2, 1, bias=False)]
         stem += [nn.BatchNorm2d(stem_channels), nn.ReLU(inplace=True)]

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -115,9 +116,23 @@ def test_bad_arguments_and_inputs_raise():
     (dict(num_classes=True), 'num_classes must be a positive int'),
     (dict(data_preprocessor=[]), 'data_preprocessor=.* is not accepted'),
     (dict(
-        data_preprocessor=dict(type='TensorBatchPreprocessor',
-                               non_blocking=1)), 'non_blocking must be'),
+        data_preprocessor=dict(
+            type='TensorBatchPreprocessor', non_blocking='yes')),
+     'non_blocking must be'),
 ])
 def test_arguments_of_the_wrong_type_are_refused_by_name(kwargs, match):
     with pytest.raises(MmdtrError, match=match):
         ResNetClassifier(**{'depth': 18, **kwargs})
+
+
+def test_numpy_numbers_and_0_or_1_switches_are_read_as_numbers():
+    """A config may compute sizes with NumPy; they built before the checks
+    (found by a review)."""
+    model = ResNetClassifier(
+        depth=np.int64(18),
+        num_classes=np.int64(4),
+        base_channels=np.int64(8),
+        dropout=np.float32(0.25),
+        zero_init_residual=1)
+    assert model.num_classes == 4 and type(model.num_classes) is int
+    assert model.head.dropout.p == 0.25

@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,16 @@ def test_bad_arguments_raise():
 def test_arguments_of_the_wrong_type_are_refused_by_name(kwargs, match):
     with pytest.raises(MmdtrError, match=match):
         SPOSSupernet(**kwargs)
+
+
+def test_stage_lists_and_choices_may_be_any_sequence_of_numbers():
+    """NumPy arrays, whole floats and the choices' own dict built before the
+    checks (found by a review)."""
+    model = SPOSSupernet(
+        stage_blocks=np.array([1, 1, 1, 1]),
+        stage_channels=[16.0, 32, 64, 128],
+        widen_factor=np.float32(1.0),
+        choices=SPOS_CHOICES,
+        seed=np.int64(1))
+    assert model.choices == tuple(SPOS_CHOICES)
+    assert len(model.backbone.layers) == 4
