@@ -10,17 +10,21 @@ iteration (``IndexError: Target 112 is out of bounds``), and
 """
 import inspect
 import math
+import numbers
+
+import numpy as np
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
 from .config_translation import config_check
-from .runner_config_checks import refuse_unregistered
+from .runner_config_checks import of_another_scope, refuse_unregistered
 
 #: DDP switches mmdtr's runner or MMEngine's wrappers pass to DDP.
 WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers',
                  'detect_anomalous_params')
-#: The dataloaders whose datasets are compared with the model.
-DATALOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
+#: The dataloaders whose datasets are checked: those training builds (a
+#: test dataloader is built by ``runner.test()`` only).
+DATALOADERS = ('train_dataloader', 'val_dataloader')
 
 
 def _mmdtr_class(spec: dict, registry, default_scope):
@@ -60,6 +64,14 @@ _TOKEN_PAIRS = (('vocab_size', 'vocab_size', 'at_least', 'token ids'),
                 ('max_seq_len', 'seq_len', 'at_least', 'sequences'))
 
 
+def _channels_kept(model: dict) -> bool:
+    """Whether the model's images reach it with the dataset's channels: its
+    preprocessor is mmdtr's default, which only stacks and moves them."""
+    pre = model.get('data_preprocessor', None)
+    return pre is None or isinstance(pre, dict) and str(pre.get(
+        'type', '')).rpartition('.')[2] == 'TensorBatchPreprocessor'
+
+
 def _pairs(model_cls, data_cls):
     from mmdtr.datasets.synthetic import (SyntheticImageDataset,
                                           SyntheticTokenDataset)
@@ -96,6 +108,8 @@ def check_model_fits_data(cfg, custom_hooks: list) -> None:
             data, dict) else None
         for mkey, dkey, rule, what in _pairs(model_cls, data_cls) \
                 if data_cls else ():
+            if rule == 'equal' and not _channels_kept(model):
+                continue  # another preprocessor may change them
             have = _argument(model, model_cls, mkey)
             need = _argument(data, data_cls, dkey)
             if not all(
@@ -135,24 +149,35 @@ def check_dataset_types(cfg, custom_hooks: list) -> None:
                 list_parent=False)
 
 
+def _switch(value) -> bool:
+    """Whether DDP's ``Reducer`` takes ``value`` as a switch: a bool
+    (NumPy's too), an int or ``None``; a string it refuses."""
+    return value is None or isinstance(value, (bool, np.bool_)) or \
+        isinstance(value, numbers.Integral)
+
+
 @config_check
 def check_wrapper_switches(cfg, custom_hooks: list) -> None:
-    """``find_unused_parameters`` (top level, which mmdtr's runner reads on
-    CPU) and the DDP switches of ``model_wrapper_cfg`` must be bools, and
-    its ``bucket_cap_mb`` a positive number.
+    """``find_unused_parameters`` (top level, which MMEngine's and mmdtr's
+    runners pass to DDP) and the DDP switches of a ``model_wrapper_cfg`` of
+    mmdtr's or MMEngine's scope must be what DDP takes (a bool, an int or
+    ``None``), and its ``bucket_cap_mb`` a positive number.
 
     Raises:
-        MmdtrError: On another value, naming its key.
+        MmdtrError: On another value (``'yes'``), naming its key.
     """
     switches = [('find_unused_parameters',
                  cfg.get('find_unused_parameters', False))]
     wrapper = cfg.get('model_wrapper_cfg', None)
-    if isinstance(wrapper, dict):
+    kind = wrapper.get('type', None) if isinstance(wrapper, dict) else None
+    if isinstance(wrapper,
+                  dict) and not (isinstance(kind, str) and of_another_scope(
+                      kind, cfg.get('default_scope', None))):
         switches += [(f'model_wrapper_cfg.{key}', wrapper[key])
                      for key in WRAPPER_BOOLS if key in wrapper]
         cap = wrapper.get('bucket_cap_mb', None)
-        if cap is not None and (isinstance(cap, bool)
-                                or not isinstance(cap, (int, float))
+        if cap is not None and (not isinstance(cap, numbers.Real)
+                                or isinstance(cap, (bool, np.bool_))
                                 or not 0 < cap < math.inf):
             raise MmdtrError(
                 f'model_wrapper_cfg.bucket_cap_mb={cap!r} is not accepted: '
@@ -160,7 +185,7 @@ def check_wrapper_switches(cfg, custom_hooks: list) -> None:
                 hint='e.g. model_wrapper_cfg.bucket_cap_mb=25 (DDP\'s '
                 'default), or leave it out.')
     for key, value in switches:
-        if not isinstance(value, bool):
+        if not _switch(value):
             raise MmdtrError(
                 f'{key}={value!r} is not accepted: True or False.',
                 hint=f'e.g. --cfg-options {key}=True.')

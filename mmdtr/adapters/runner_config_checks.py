@@ -94,7 +94,7 @@ def _is_inplace(wrapper_type) -> bool:
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
 
 
-def _other_scope(name: str, scope) -> bool:
+def of_another_scope(name: str, scope) -> bool:
     """Whether the type ``name`` (``'mmdet.X'``, or a plain name under
     ``scope``) is of a scope other than mmdtr's or MMEngine's: its registry
     may not be imported yet, so it is left to MMEngine."""
@@ -140,7 +140,7 @@ def refuse_unregistered(where: str,
     Raises:
         MmdtrError: On such a name, with the closest registered one.
     """
-    if not isinstance(name, str) or _other_scope(name, default_scope):
+    if not isinstance(name, str) or of_another_scope(name, default_scope):
         return None
     # looked up as MMEngine's builder does (switch_scope_and_registry, then
     # get): 'mmdtr.X' of MMEngine's X resolves from MMEngine's root, not
@@ -358,7 +358,7 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
     cls = wrapper_type if isinstance(wrapper_type, type) else \
         OPTIM_WRAPPERS.get(wrapper_type)
     if cls is None:
-        if _other_scope(
+        if of_another_scope(
                 str(wrapper_type),
                 wrapper.get('_scope_', None) or default_scope):
             return

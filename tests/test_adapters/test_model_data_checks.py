@@ -43,8 +43,8 @@ def _cfg(name, **options):
     }, r"find_unused_parameters='yes' is not accepted: True or False"),
     ('resnet50_synthetic.py', {
         'model_wrapper_cfg':
-        dict(type='MMDistributedDataParallel', broadcast_buffers=1)
-    }, r'model_wrapper_cfg.broadcast_buffers=1 is not accepted'),
+        dict(type='MMDistributedDataParallel', broadcast_buffers='yes')
+    }, r"model_wrapper_cfg.broadcast_buffers='yes' is not accepted"),
     ('resnet50_synthetic.py', {
         'model_wrapper_cfg':
         dict(type='MMDistributedDataParallel', bucket_cap_mb=0)
@@ -76,6 +76,31 @@ FITTING = [
     }),
     ('resnet50_synthetic.py', {
         'find_unused_parameters': True
+    }),
+    # what DDP's Reducer takes: ints and None too (found by a review)
+    ('resnet50_synthetic.py', {
+        'find_unused_parameters': 1
+    }),
+    ('resnet50_synthetic.py', {
+        'find_unused_parameters':
+        None,
+        'model_wrapper_cfg':
+        dict(type='MMDistributedDataParallel', broadcast_buffers=0)
+    }),
+    # another scope's wrapper may take its own values
+    ('resnet50_synthetic.py', {
+        'model_wrapper_cfg':
+        dict(type='mmfoo.MyWrapper', broadcast_buffers='x')
+    }),
+    # a test dataloader is built by runner.test() only
+    ('resnet50_synthetic.py', {
+        'test_dataloader':
+        dict(dataset=dict(type='SyntheticImageDataset', num_classes=5000))
+    }),
+    # another preprocessor may change the channels
+    ('resnet50_synthetic.py', {
+        'train_dataloader.dataset.num_channels': 1,
+        'model.data_preprocessor': dict(type='mmfoo.GrayToRGB')
     }),
     # MMEngine's wrappers, and another scope's names, are left alone
     ('resnet50_synthetic.py', {
