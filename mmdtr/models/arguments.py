@@ -66,6 +66,21 @@ def check_positive_int(owner: str, key: str, value) -> int:
     return int(value)
 
 
+def check_positive_ints(owner: str, **values) -> list:
+    """:func:`check_positive_int` of each keyword; the values in order.
+
+    Examples:
+        >>> in_channels, width = check_positive_ints(
+        ...     'MyNet', in_channels=3, width=64)
+    """
+    return [check_positive_int(owner, k, v) for k, v in values.items()]
+
+
+def check_probabilities(owner: str, **values) -> list:
+    """:func:`check_probability` of each keyword; the values in order."""
+    return [check_probability(owner, k, v) for k, v in values.items()]
+
+
 def check_bool(key: str, value) -> bool:
     """Refuse a switch that is not ``True`` or ``False`` (or 0 or 1): a
     config's ``'False'`` is a true string.

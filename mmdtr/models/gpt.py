@@ -9,7 +9,7 @@ from mmengine.model import BaseModel
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import check_positive_int, check_probability
+from .arguments import check_positive_ints, check_probabilities
 from .base_classifier import MODES, describe_value
 from .data_preprocessor import build_data_preprocessor
 
@@ -152,26 +152,20 @@ class GPTDecoder(BaseModel):
         super().__init__(
             data_preprocessor=build_data_preprocessor(data_preprocessor),
             init_cfg=init_cfg)
-        sizes = dict(
-            vocab_size=vocab_size,
-            max_seq_len=max_seq_len,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            embed_dims=embed_dims,
-            mlp_ratio=mlp_ratio)
         (vocab_size, max_seq_len, num_layers, num_heads, embed_dims,
-         mlp_ratio) = [
-             check_positive_int('GPTDecoder', key, value)
-             for key, value in sizes.items()
-         ]
-        drops = dict(
+         mlp_ratio) = check_positive_ints(
+             'GPTDecoder',
+             vocab_size=vocab_size,
+             max_seq_len=max_seq_len,
+             num_layers=num_layers,
+             num_heads=num_heads,
+             embed_dims=embed_dims,
+             mlp_ratio=mlp_ratio)
+        embed_dropout, attn_dropout, resid_dropout = check_probabilities(
+            'GPTDecoder',
             embed_dropout=embed_dropout,
             attn_dropout=attn_dropout,
             resid_dropout=resid_dropout)
-        embed_dropout, attn_dropout, resid_dropout = [
-            check_probability('GPTDecoder', key, value)
-            for key, value in drops.items()
-        ]
         if embed_dims % num_heads:
             raise MmdtrError(
                 f'GPTDecoder embed_dims ({embed_dims}) must be divisible by '

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import (check_positive_int, check_probability, is_integer,
+from .arguments import (check_positive_ints, check_probability, is_integer,
                         is_real)
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
                               init_conv_bn_linear)
@@ -153,14 +153,11 @@ class SPOSSupernet(BaseImageClassifier):
                 f'{widen_factor!r}.',
                 hint='set model.widen_factor to e.g. 1.0 (channels are '
                 'rounded to multiples of 8).')
-        sizes = dict(
+        in_channels, stem_channels, last_channels = check_positive_ints(
+            'SPOSSupernet',
             in_channels=in_channels,
             stem_channels=stem_channels,
             last_channels=last_channels)
-        in_channels, stem_channels, last_channels = [
-            check_positive_int('SPOSSupernet', key, value)
-            for key, value in sizes.items()
-        ]
         blocks, channels = (_positive_ints(stage_blocks),
                             _positive_ints(stage_channels))
         if blocks is None or channels is None or len(blocks) != len(channels):
