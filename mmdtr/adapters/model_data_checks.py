@@ -8,6 +8,7 @@ iteration (``IndexError: Target 112 is out of bounds``), and
 ``find_unused_parameters='yes'`` failed in every rank inside PyTorch's
 ``Reducer``, printing every parameter.
 """
+import difflib
 import inspect
 import math
 import numbers
@@ -128,25 +129,56 @@ def check_model_fits_data(cfg, custom_hooks: list) -> None:
                 f'{loader}.dataset.{dkey}).')
 
 
+def _check_arguments(where: str, cls, spec: dict) -> None:
+    """Build a synthetic dataset of mmdtr's from ``spec`` (cheap: samples
+    are made when read), so that its own checks run now, after a check of
+    the argument names; the errors name ``where``."""
+    kwargs = {k: v for k, v in spec.items() if k not in ('type', '_scope_')}
+    params = inspect.signature(cls.__init__).parameters
+    accepted = [name for name in params if name != 'self']
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for key in () if takes_any else kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            raise MmdtrError(
+                f'{where}.{key}={kwargs[key]!r} is not accepted: not an '
+                f'argument of {cls.__name__}.',
+                hint=(f'closest match: {close[0]!r}; ' if close else '') +
+                f'its arguments: {accepted}.')
+    try:
+        cls(**kwargs)
+    except MmdtrError as e:
+        raise MmdtrError(f'{where}: {e.message}', hint=e.hint) from None
+
+
 @config_check
-def check_dataset_types(cfg, custom_hooks: list) -> None:
-    """Check each dataloader's ``dataset.type`` as ``model.type`` is
-    checked: a name of mmdtr's or MMEngine's scope that is not registered
-    failed when ``runner.train()`` built the dataloader, in a traceback.
+def check_datasets(cfg, custom_hooks: list) -> None:
+    """Check each dataloader's ``dataset``: its ``type`` as ``model.type``
+    is checked (a name of mmdtr's or MMEngine's scope that is not
+    registered failed when ``runner.train()`` built the dataloader, in a
+    traceback), and the arguments of mmdtr's synthetic datasets, which
+    failed there too.
 
     Raises:
-        MmdtrError: On such a name, with the closest registered one.
+        MmdtrError: On such a name, with the closest registered one, or an
+            argument a synthetic dataset refuses or does not take.
     """
     for loader in DATALOADERS:
         data = cfg.get(loader, None)
         data = data.get('dataset', None) if isinstance(data, dict) else None
-        if isinstance(data, dict) and isinstance(data.get('type', None), str):
+        if not isinstance(data, dict):
+            continue
+        scope = data.get('_scope_', None) or cfg.get('default_scope', None)
+        if isinstance(data.get('type', None), str):
             refuse_unregistered(
                 f'{loader}.dataset.type',
                 data['type'],
                 DATASETS,
-                data.get('_scope_', None) or cfg.get('default_scope', None),
+                scope,
                 list_parent=False)
+        data_cls = _mmdtr_class(data, DATASETS, scope)
+        if data_cls is not None:
+            _check_arguments(f'{loader}.dataset', data_cls, data)
 
 
 def _switch(value) -> bool:

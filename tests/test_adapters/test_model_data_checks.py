@@ -19,43 +19,53 @@ def _cfg(name, **options):
     return cfg
 
 
-@pytest.mark.parametrize('name, options, match', [
-    ('resnet50_synthetic.py', {
-        'model.num_classes': 10
-    }, r'model.num_classes=10 is smaller than '
-     r'train_dataloader.dataset.num_classes=1000.*labels'),
-    ('resnet50_synthetic.py', {
-        'train_dataloader.dataset.num_channels': 1
-    }, r'model.in_channels=3 differs from '
-     r'train_dataloader.dataset.num_channels=1'),
-    ('gpt_synthetic.py', {
-        'model.vocab_size': 100
-    }, r'model.vocab_size=100 is smaller than .*dataset.vocab_size=8192'),
-    ('gpt_synthetic.py', {
-        'model.max_seq_len': 64
-    }, r'model.max_seq_len=64 is smaller than .*dataset.seq_len=128'),
-    ('spos_synthetic.py', {
-        'model.type': 'mmdtr.SPOSSupernet',
-        'model.num_classes': 3
-    }, 'num_classes=3'),
-    ('resnet50_synthetic.py', {
-        'find_unused_parameters': 'yes'
-    }, r"find_unused_parameters='yes' is not accepted: True or False"),
-    ('resnet50_synthetic.py', {
-        'model_wrapper_cfg':
-        dict(type='MMDistributedDataParallel', broadcast_buffers='yes')
-    }, r"model_wrapper_cfg.broadcast_buffers='yes' is not accepted"),
-    ('resnet50_synthetic.py', {
-        'model_wrapper_cfg':
-        dict(type='MMDistributedDataParallel', bucket_cap_mb=0)
-    }, r'model_wrapper_cfg.bucket_cap_mb=0 is not accepted'),
-    ('resnet50_synthetic.py', {
-        'train_dataloader.dataset.type': 'Nope'
-    }, r"train_dataloader.dataset.type='Nope' is not registered"),
-    ('gpt_synthetic.py', {
-        'train_dataloader.dataset.type': 'SyntheticTokenDatset'
-    }, r"closest match: 'SyntheticTokenDataset'"),
-])
+@pytest.mark.parametrize(
+    'name, options, match',
+    [
+        ('resnet50_synthetic.py', {
+            'model.num_classes': 10
+        }, r'model.num_classes=10 is smaller than '
+         r'train_dataloader.dataset.num_classes=1000.*labels'),
+        ('resnet50_synthetic.py', {
+            'train_dataloader.dataset.num_channels': 1
+        }, r'model.in_channels=3 differs from '
+         r'train_dataloader.dataset.num_channels=1'),
+        ('gpt_synthetic.py', {
+            'model.vocab_size': 100
+        }, r'model.vocab_size=100 is smaller than .*dataset.vocab_size=8192'),
+        ('gpt_synthetic.py', {
+            'model.max_seq_len': 64
+        }, r'model.max_seq_len=64 is smaller than .*dataset.seq_len=128'),
+        ('spos_synthetic.py', {
+            'model.type': 'mmdtr.SPOSSupernet',
+            'model.num_classes': 3
+        }, 'num_classes=3'),
+        ('resnet50_synthetic.py', {
+            'find_unused_parameters': 'yes'
+        }, r"find_unused_parameters='yes' is not accepted: True or False"),
+        ('resnet50_synthetic.py', {
+            'model_wrapper_cfg':
+            dict(type='MMDistributedDataParallel', broadcast_buffers='yes')
+        }, r"model_wrapper_cfg.broadcast_buffers='yes' is not accepted"),
+        ('resnet50_synthetic.py', {
+            'model_wrapper_cfg':
+            dict(type='MMDistributedDataParallel', bucket_cap_mb=0)
+        }, r'model_wrapper_cfg.bucket_cap_mb=0 is not accepted'),
+        ('resnet50_synthetic.py', {
+            'train_dataloader.dataset.type': 'Nope'
+        }, r"train_dataloader.dataset.type='Nope' is not registered"),
+        ('gpt_synthetic.py', {
+            'train_dataloader.dataset.type': 'SyntheticTokenDatset'
+        }, r"closest match: 'SyntheticTokenDataset'"),
+        # a synthetic dataset's own arguments, before the work dir
+        ('resnet50_synthetic.py', {
+            'train_dataloader.dataset.num_clases': 10
+        }, r"train_dataloader.dataset.num_clases=10 is not accepted: not an "
+         r"argument of SyntheticImageDataset.*closest match: 'num_classes'"),
+        ('gpt_synthetic.py', {
+            'train_dataloader.dataset.seq_len': 0
+        }, r'train_dataloader.dataset: seq_len must be a positive int'),
+    ])
 def test_sizes_and_switches_that_cannot_work_are_refused(name, options, match):
     with pytest.raises(MmdtrError, match=match):
         translate_memory_keys(_cfg(name, **options))
