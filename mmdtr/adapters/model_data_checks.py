@@ -20,9 +20,10 @@ from mmdtr.registry import DATASETS, MODELS
 from .config_translation import config_check
 from .runner_config_checks import of_another_scope, refuse_unregistered
 
-#: DDP switches mmdtr's runner or MMEngine's wrappers pass to DDP.
-WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers',
-                 'detect_anomalous_params')
+#: DDP switches its C++ side refuses a string for (``'yes'`` failed in
+#: every rank); MMEngine's ``detect_anomalous_params`` is read as a truth
+#: value, so anything runs there.
+WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers')
 #: The dataloaders whose datasets are checked: those training builds (a
 #: test dataloader is built by ``runner.test()`` only).
 DATALOADERS = ('train_dataloader', 'val_dataloader')
@@ -193,7 +194,8 @@ def check_wrapper_switches(cfg, custom_hooks: list) -> None:
     """``find_unused_parameters`` (top level, which MMEngine's and mmdtr's
     runners pass to DDP) and the DDP switches of a ``model_wrapper_cfg`` of
     mmdtr's or MMEngine's scope must be what DDP takes (a bool, an int or
-    ``None``), and its ``bucket_cap_mb`` a positive number.
+    ``None``), and its ``bucket_cap_mb`` a finite number (DDP runs with 0
+    or less too) or ``None``.
 
     Raises:
         MmdtrError: On another value (``'yes'``), naming its key.
@@ -210,14 +212,15 @@ def check_wrapper_switches(cfg, custom_hooks: list) -> None:
         cap = wrapper.get('bucket_cap_mb', None)
         if cap is not None and (not isinstance(cap, numbers.Real)
                                 or isinstance(cap, (bool, np.bool_))
-                                or not 0 < cap < math.inf):
+                                or not math.isfinite(cap)):
             raise MmdtrError(
                 f'model_wrapper_cfg.bucket_cap_mb={cap!r} is not accepted: '
-                'a positive number of MiB.',
+                'a number of MiB.',
                 hint='e.g. model_wrapper_cfg.bucket_cap_mb=25 (DDP\'s '
                 'default), or leave it out.')
     for key, value in switches:
         if not _switch(value):
             raise MmdtrError(
-                f'{key}={value!r} is not accepted: True or False.',
+                f'{key}={value!r} is not accepted: True or False (or 0, 1, '
+                'None, as DDP takes them).',
                 hint=f'e.g. --cfg-options {key}=True.')

@@ -49,8 +49,8 @@ def _cfg(name, **options):
         }, r"model_wrapper_cfg.broadcast_buffers='yes' is not accepted"),
         ('resnet50_synthetic.py', {
             'model_wrapper_cfg':
-            dict(type='MMDistributedDataParallel', bucket_cap_mb=0)
-        }, r'model_wrapper_cfg.bucket_cap_mb=0 is not accepted'),
+            dict(type='MMDistributedDataParallel', bucket_cap_mb='25')
+        }, r"model_wrapper_cfg.bucket_cap_mb='25' is not accepted"),
         ('resnet50_synthetic.py', {
             'train_dataloader.dataset.type': 'Nope'
         }, r"train_dataloader.dataset.type='Nope' is not registered"),
@@ -96,6 +96,14 @@ FITTING = [
         None,
         'model_wrapper_cfg':
         dict(type='MMDistributedDataParallel', broadcast_buffers=0)
+    }),
+    # DDP runs with these (found by a fact-check of the first version)
+    ('resnet50_synthetic.py', {
+        'model_wrapper_cfg':
+        dict(
+            type='MMDistributedDataParallel',
+            bucket_cap_mb=0,
+            detect_anomalous_params='yes')
     }),
     # another scope's wrapper may take its own values
     ('resnet50_synthetic.py', {
