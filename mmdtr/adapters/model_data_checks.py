@@ -17,6 +17,7 @@ import numpy as np
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
+from mmdtr.utils.value_kinds import is_real
 from .config_translation import config_check
 from .runner_config_checks import of_another_scope, refuse_unregistered
 
@@ -185,8 +186,7 @@ def check_datasets(cfg, custom_hooks: list) -> None:
 def _switch(value) -> bool:
     """Whether DDP's ``Reducer`` takes ``value`` as a switch: a bool
     (NumPy's too), an int or ``None``; a string it refuses."""
-    return value is None or isinstance(value, (bool, np.bool_)) or \
-        isinstance(value, numbers.Integral)
+    return value is None or isinstance(value, (np.bool_, numbers.Integral))
 
 
 @config_check
@@ -210,9 +210,7 @@ def check_wrapper_switches(cfg, custom_hooks: list) -> None:
         switches += [(f'model_wrapper_cfg.{key}', wrapper[key])
                      for key in WRAPPER_BOOLS if key in wrapper]
         cap = wrapper.get('bucket_cap_mb', None)
-        if cap is not None and (not isinstance(cap, numbers.Real)
-                                or isinstance(cap, (bool, np.bool_))
-                                or not math.isfinite(cap)):
+        if cap is not None and not (is_real(cap) and math.isfinite(cap)):
             raise MmdtrError(
                 f'model_wrapper_cfg.bucket_cap_mb={cap!r} is not accepted: '
                 'a number of MiB.',

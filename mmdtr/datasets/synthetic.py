@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS
+from mmdtr.utils.value_kinds import as_items, is_integer
 
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -33,8 +34,7 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
 
 def _check_positive(name: str, value, allow_zero: bool = False) -> None:
     low = 0 if allow_zero else 1
-    if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-            or value < low):
+    if not is_integer(value) or value < low:
         kind = 'non-negative' if allow_zero else 'positive'
         raise MmdtrError(
             f'{name} must be a {kind} int, got {value!r}.',
@@ -104,11 +104,7 @@ class SyntheticImageDataset(_SyntheticDataset):
         given = image_size
         if isinstance(image_size, (int, np.integer)):
             image_size = (image_size, image_size)
-        try:  # a string is refused whole, not read as its characters
-            image_size = () if isinstance(image_size,
-                                          (str, bytes)) else tuple(image_size)
-        except TypeError:  # None, a float: not a pair
-            image_size = ()
+        image_size = as_items(image_size)  # None, a float, a string: ()
         if len(image_size) != 2:
             raise MmdtrError(
                 f'image_size must be an int or (height, width), got '

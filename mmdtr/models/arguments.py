@@ -4,23 +4,16 @@ Numbers are read as numbers: a NumPy scalar a config computed is accepted
 where a Python number of its kind would be, and converted; a bool is not a
 size, nor a string a number.
 """
-import numbers
-
 import numpy as np
 
 from mmdtr.errors import MmdtrError
+from mmdtr.utils.value_kinds import as_items, is_integer, is_real
 
-
-def is_integer(value) -> bool:
-    """Whether ``value`` is an integer (NumPy's too), not a bool."""
-    return isinstance(
-        value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def is_real(value) -> bool:
-    """Whether ``value`` is a real number (NumPy's too), not a bool."""
-    return isinstance(value,
-                      numbers.Real) and not isinstance(value, (bool, np.bool_))
+__all__ = [
+    'as_items', 'is_integer', 'is_real', 'check_probability',
+    'check_positive_int', 'check_positive_ints', 'check_probabilities',
+    'check_bool'
+]
 
 
 def check_probability(owner: str, key: str, value) -> float:

@@ -7,8 +7,8 @@ import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS
-from .arguments import (check_positive_ints, check_probability, is_integer,
-                        is_real)
+from .arguments import (as_items, check_positive_ints, check_probability,
+                        is_integer, is_real)
 from .base_classifier import (BaseImageClassifier, LinearClsHead,
                               init_conv_bn_linear)
 from .shufflenet_v2 import ShuffleUnit, conv_bn
@@ -31,10 +31,7 @@ def _positive_ints(values) -> Optional[Tuple[int, ...]]:
     """``values`` as a non-empty tuple of ints of 1 or more (whole floats
     and NumPy's numbers too; bools refused), or ``None`` if it is not
     one."""
-    try:
-        values = () if isinstance(values, (str, bytes)) else tuple(values)
-    except TypeError:  # not iterable
-        return None
+    values = as_items(values)
     if values and all(
             is_real(v) and v >= 1 and float(v).is_integer() for v in values):
         return tuple(int(v) for v in values)
@@ -132,11 +129,7 @@ class SPOSSupernet(BaseImageClassifier):
         super().__init__(num_classes, data_preprocessor, init_cfg)
         dropout = check_probability(type(self).__name__, 'dropout', dropout)
         given = choices
-        try:  # any iterable of names but a string (its characters)
-            choices = () if isinstance(choices,
-                                       (str, bytes)) else tuple(choices)
-        except TypeError:
-            choices = ()
+        choices = as_items(choices)  # a string is not its characters
         unknown = [
             name for name in choices
             if not isinstance(name, str) or name not in SPOS_CHOICES
