@@ -231,7 +231,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         if memory is None:  # not read: below the limit (R11)
             return out
         if self.limit is not None and memory > self.limit:
-            self.evict_until()
+            self.evict_until(argument_storages(args, kwargs))  # (R3)
         elif self.limit != self.threshold:
             self.lower_limit(memory)
         return out

@@ -57,7 +57,7 @@ class Evictor:
             last.cand_index = i
         rec.cand_index = -1
 
-    def evict_until(self):
+    def evict_until(self, running=()):
         """Evict until memory in use is within the limit in force.
 
         When nothing evictable is left above the threshold, the threshold is
@@ -65,9 +65,18 @@ class Evictor:
         eighth of the threshold, and follows memory down again
         (:meth:`lower_limit`). Without this, every op near an unreachable
         threshold would evict the storages needed next (thrashing; R11).
+
+        Args:
+            running (set): The storages (``cdata``) of the arguments of the
+                op that just ran, kept (R3): its argument list holds them
+                until it returns, and an argument may be the engine's own
+                alias, which an unpack handed to a backward op, so the use
+                count does not show it.
         """
+        records = self.records
+        pinned = {id(records[c]) for c in running if c in records}
         while self.memory_in_use() > self.limit:
-            if not self._evict_one():
+            if not self._evict_one(pinned):
                 self.eviction_failures += 1
                 self.limit = self.memory_in_use() + self._slack()
                 return
@@ -90,9 +99,10 @@ class Evictor:
         elif memory + self._slack() + self.threshold // 2 < self.limit:
             self.limit = memory + self._slack()
 
-    def _evict_one(self) -> bool:
-        """Evict one storage, or give back what a rebuild keeps; ``False``
-        when there is nothing left to do either (R4).
+    def _evict_one(self, pinned=()) -> bool:
+        """Evict one storage, but those whose record's ``id`` is in
+        ``pinned`` (R3), or give back what a rebuild keeps; ``False`` when
+        there is nothing left to do either (R4).
 
         While a rebuild runs, what it keeps for its reads to come (its
         memo) goes first, all of it, unless the rebuild thrashes: the
@@ -109,7 +119,8 @@ class Evictor:
         if memo and (self.limit == self.threshold or not self.thrashing):
             memo.clear()
             return True
-        best = self._choose({id(rec) for rec, _ in memo} if memo else ())
+        kept = {id(rec) for rec, _ in memo} if memo else set()
+        best = self._choose(kept | pinned if pinned else kept)
         if best is None:
             if not memo:
                 return False

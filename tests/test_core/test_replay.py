@@ -20,6 +20,7 @@ def _fibonacci_step(x, links):
     del a, b
     loss = (y * y.detach()).sum()
     del y
+    (x * 3.0).sum()  # memory rises: y, saved by exp and mul, is evicted
     loss.backward()
     return loss.detach()
 
@@ -172,9 +173,9 @@ def test_a_real_rebuild_that_thrashes_keeps_what_it_reads_again(
     thrashed = []
     evict_one = Evictor._evict_one
 
-    def spy(self):
+    def spy(self, *pinned):
         thrashed.append(self.thrashing)
-        return evict_one(self)
+        return evict_one(self, *pinned)
 
     monkeypatch.setattr(Evictor, '_evict_one', spy)
     with DTR(
