@@ -25,7 +25,8 @@ def reads_in_a_rebuild(rec) -> int:
     scope closed or shrunk below the dispatcher, R13: rebuilt for each
     read). All found by reviews.
     Arguments of recipes dropped since count too, so it is never below the
-    reads a rebuild makes (R4)."""
+    reads a rebuild makes (R4); readers frozen by a write to it are no
+    longer listed, and read it no more (R7)."""
     reads = 0
     for ref in rec.users or ():
         user = ref()
