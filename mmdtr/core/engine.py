@@ -358,7 +358,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 finally:
                     lock.acquire()
             except torch.cuda.OutOfMemoryError as error:  # (R15)
-                if not self.cuda or not self._evict_for_allocation(error):
+                if not self.cuda or not self._evict_for_allocation(
+                        error, argument_storages(args, kwargs)):  # (R3)
                     raise
                 if rng is not None:
                     self._set_rng(rng)

@@ -166,17 +166,20 @@ class Evictor:
                 best, best_score = rec, value
         return best
 
-    def _evict_for_allocation(self, error) -> bool:
+    def _evict_for_allocation(self, error, running=()) -> bool:
         """After a CUDA allocation failed (``error``): evict the candidates
         of a run of adjacent blocks that, once free, serves it, else one
         storage as :meth:`_evict_one` does; ``False`` when neither can
-        (R15).
+        (R15). The storages in ``running`` (``cdata``), the arguments of
+        the op that failed, are kept (R3): it holds them, and retries.
 
         While a rebuild keeps a memo, :meth:`_evict_one` decides (R4).
         """
+        records = self.records
+        pinned = {id(records[c]) for c in running if c in records}
         failed = take_failed_request(error)
         if failed is not None and not self.rebuilt:
-            run = self._contiguous_run(*failed)
+            run = self._contiguous_run(*failed, pinned)
             if run:
                 evicted = self.evictions
                 for rec in run:
@@ -185,11 +188,12 @@ class Evictor:
                         self._evict(rec)
                 if self.evictions > evicted:
                     return True
-        return self._evict_one()
+        return self._evict_one(pinned)
 
-    def _contiguous_run(self, device: int, reported: int):
+    def _contiguous_run(self, device: int, reported: int, pinned=()):
         """The candidates to evict for a failed request of ``reported``
-        bytes on CUDA device ``device``, or ``None`` (R15)."""
+        bytes on CUDA device ``device``, or ``None``; records whose ``id``
+        is in ``pinned`` are not evictable (R15)."""
         index = self.device.index
         if index is None:
             index = torch.cuda.current_device()
@@ -197,7 +201,7 @@ class Evictor:
             return None
         score, clock, evictable = self.policy.score, self.clock, {}
         for rec in list(self.candidates):  # a collection may drop some
-            if _exclusive(rec):
+            if _exclusive(rec) and id(rec) not in pinned:
                 address = _address(rec)
                 if address is not None:
                     # two storages over one address (R14): neither goes

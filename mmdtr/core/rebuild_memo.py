@@ -28,7 +28,8 @@ def reads_in_a_rebuild(rec) -> int:
     reads a rebuild makes (R4); readers frozen by a write to it are no
     longer listed, and read it no more (R7)."""
     reads = 0
-    for ref in rec.users or ():
+    # a copy: a collection inside the loop may prune the list (R12)
+    for ref in tuple(rec.users or ()):
         user = ref()
         if user is None:
             continue
@@ -46,7 +47,7 @@ def _versions_read(rec) -> int:
     """How many versions of ``rec`` recipes of live records read, with the
     one its saved handles read."""
     versions = {rec.version} if rec.handles else set()
-    for ref in rec.users or ():
+    for ref in tuple(rec.users or ()):  # a copy, as above
         user = ref()
         if user is None:
             continue
