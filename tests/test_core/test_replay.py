@@ -25,10 +25,6 @@ def _fibonacci_step(x, links):
     return loss.detach()
 
 
-@pytest.mark.fails_before_torch(
-    (2, 5),
-    reason='on PyTorch 2.4 nothing in this graph is evictable at '
-    'these thresholds (fewer evictions there)')
 @pytest.mark.parametrize('fraction', [0.5, 0.0])
 def test_a_rebuild_reads_each_storage_it_rebuilt_once(fraction):
     # freed after its first use, each link was rebuilt once per path
