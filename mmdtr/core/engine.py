@@ -231,7 +231,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         if memory is None:  # not read: below the limit (R11)
             return out
         if self.limit is not None and memory > self.limit:
-            self.evict_until(argument_storages(args, kwargs))  # (R3)
+            self.evict_until()
         elif self.limit != self.threshold:
             self.lower_limit(memory)
         return out
@@ -358,8 +358,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 finally:
                     lock.acquire()
             except torch.cuda.OutOfMemoryError as error:  # (R15)
-                if not self.cuda or not self._evict_for_allocation(
-                        error, argument_storages(args, kwargs)):  # (R3)
+                if not self.cuda or not self._evict_for_allocation(error):
                     raise
                 if rng is not None:
                     self._set_rng(rng)

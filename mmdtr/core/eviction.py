@@ -19,10 +19,17 @@ _use_count = torch._C._storage_Use_Count
 
 def _exclusive(rec) -> bool:
     """Only the engine's aliases and the storage's own Python object (alive
-    while it is) reference it (R3); ``cdata`` is None once freed, by a
-    collection during a search too."""
-    return rec.cdata is not None and _use_count(
-        rec.cdata) == len(rec.views) + STORAGE_OBJECT_USES
+    while it is) reference it, and nothing but their Python objects holds
+    the aliases (R3): an alias an unpack handed out is held by autograd
+    until its node is done. ``cdata`` is None once freed, by a collection
+    during a search too."""
+    if rec.cdata is None or _use_count(
+            rec.cdata) != len(rec.views) + STORAGE_OBJECT_USES:
+        return False
+    for alias in rec.views.values():
+        if alias._use_count() != 1:
+            return False
+    return True
 
 
 def _address(rec):
@@ -57,7 +64,7 @@ class Evictor:
             last.cand_index = i
         rec.cand_index = -1
 
-    def evict_until(self, running=()):
+    def evict_until(self):
         """Evict until memory in use is within the limit in force.
 
         When nothing evictable is left above the threshold, the threshold is
@@ -65,18 +72,9 @@ class Evictor:
         eighth of the threshold, and follows memory down again
         (:meth:`lower_limit`). Without this, every op near an unreachable
         threshold would evict the storages needed next (thrashing; R11).
-
-        Args:
-            running (set): The storages (``cdata``) of the arguments of the
-                op that just ran, kept (R3): its argument list holds them
-                until it returns, and an argument may be the engine's own
-                alias, which an unpack handed to a backward op, so the use
-                count does not show it.
         """
-        records = self.records
-        pinned = {id(records[c]) for c in running if c in records}
         while self.memory_in_use() > self.limit:
-            if not self._evict_one(pinned):
+            if not self._evict_one():
                 self.eviction_failures += 1
                 self.limit = self.memory_in_use() + self._slack()
                 return
@@ -99,10 +97,9 @@ class Evictor:
         elif memory + self._slack() + self.threshold // 2 < self.limit:
             self.limit = memory + self._slack()
 
-    def _evict_one(self, pinned=()) -> bool:
-        """Evict one storage, but those whose record's ``id`` is in
-        ``pinned`` (R3), or give back what a rebuild keeps; ``False`` when
-        there is nothing left to do either (R4).
+    def _evict_one(self) -> bool:
+        """Evict one storage, or give back what a rebuild keeps; ``False``
+        when there is nothing left to do either (R4).
 
         While a rebuild runs, what it keeps for its reads to come (its
         memo) goes first, all of it, unless the rebuild thrashes: the
@@ -119,8 +116,7 @@ class Evictor:
         if memo and (self.limit == self.threshold or not self.thrashing):
             memo.clear()
             return True
-        kept = {id(rec) for rec, _ in memo} if memo else set()
-        best = self._choose(kept | pinned if pinned else kept)
+        best = self._choose({id(rec) for rec, _ in memo} if memo else ())
         if best is None:
             if not memo:
                 return False
@@ -166,20 +162,17 @@ class Evictor:
                 best, best_score = rec, value
         return best
 
-    def _evict_for_allocation(self, error, running=()) -> bool:
+    def _evict_for_allocation(self, error) -> bool:
         """After a CUDA allocation failed (``error``): evict the candidates
         of a run of adjacent blocks that, once free, serves it, else one
         storage as :meth:`_evict_one` does; ``False`` when neither can
-        (R15). The storages in ``running`` (``cdata``), the arguments of
-        the op that failed, are kept (R3): it holds them, and retries.
+        (R15).
 
         While a rebuild keeps a memo, :meth:`_evict_one` decides (R4).
         """
-        records = self.records
-        pinned = {id(records[c]) for c in running if c in records}
         failed = take_failed_request(error)
         if failed is not None and not self.rebuilt:
-            run = self._contiguous_run(*failed, pinned)
+            run = self._contiguous_run(*failed)
             if run:
                 evicted = self.evictions
                 for rec in run:
@@ -188,12 +181,11 @@ class Evictor:
                         self._evict(rec)
                 if self.evictions > evicted:
                     return True
-        return self._evict_one(pinned)
+        return self._evict_one()
 
-    def _contiguous_run(self, device: int, reported: int, pinned=()):
+    def _contiguous_run(self, device: int, reported: int):
         """The candidates to evict for a failed request of ``reported``
-        bytes on CUDA device ``device``, or ``None``; records whose ``id``
-        is in ``pinned`` are not evictable (R15)."""
+        bytes on CUDA device ``device``, or ``None`` (R15)."""
         index = self.device.index
         if index is None:
             index = torch.cuda.current_device()
@@ -201,7 +193,7 @@ class Evictor:
             return None
         score, clock, evictable = self.policy.score, self.clock, {}
         for rec in list(self.candidates):  # a collection may drop some
-            if _exclusive(rec) and id(rec) not in pinned:
+            if _exclusive(rec):
                 address = _address(rec)
                 if address is not None:
                     # two storages over one address (R14): neither goes

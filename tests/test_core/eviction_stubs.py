@@ -16,7 +16,6 @@ class EvictionsStub(Evictor):
 
     def __init__(self, sqrt_sampling, limit, thrashing):
         self.candidates, self.rebuilt, self.evictions = [], None, 0
-        self.records = {}  # cdata: record
         self.policy, self.clock, self.min_size = LRUPolicy(), 100, 1
         self.sqrt_sampling, self._sampler = sqrt_sampling, random.Random(0)
         self.classes, self.threshold, self.limit = False, 2**20, limit
@@ -39,6 +38,5 @@ def make_candidates(evictions, n):
         rec.views[None] = alias
         del alias, storage
         evictions._add_candidate(rec)
-        evictions.records[rec.cdata] = rec
         records.append(rec)
     return records

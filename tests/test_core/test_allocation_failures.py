@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.dlpack import to_dlpack
 
 from mmdtr.core import allocation_failures, eviction
 from mmdtr.core.allocation_failures import (bytes_needed,
@@ -263,19 +264,21 @@ def test_a_candidate_held_from_python_is_no_part_of_a_run(failed_allocation):
 
 
 @pytest.mark.parametrize('case', ['run', 'no run'])
-def test_the_failed_ops_arguments_are_kept(failed_allocation, case):
-    # the op that failed holds them and retries with them: an engine alias
-    # an unpack handed it adds no use, yet evicting it frees nothing (R3)
+def test_an_alias_held_from_cpp_is_kept(failed_allocation, case):
+    # as autograd holds the alias an unpack handed to a node: the storage's
+    # use count does not show it, the alias's own does (R3)
     evictions, records = _evictions(4)
     failed_allocation(32 * MiB if case == 'run' else 128 * MiB,
                       [_layout(records[:2]),
                        _layout(records[2:])])
-    assert evictions._evict_for_allocation(OOM, {records[0].cdata})
+    held = to_dlpack(records[0].views[None])
+    assert evictions._evict_for_allocation(OOM)
     evicted = [rec.cand_index < 0 for rec in records]
     if case == 'run':  # 0 and 1 would be the cheaper run
         assert evicted == [False, False, True, True]
     else:  # 0 would be LRU's first
         assert evicted == [False, True, False, False]
+    del held
 
 
 @pytest.mark.parametrize('case', ['no run', 'small request', 'memo'])
@@ -363,7 +366,7 @@ def test_a_run_seen_from_python_before_its_eviction_falls_back(monkeypatch):
     allocation_failures._note_failure(0, 32 * MiB, 0, 0)
     monkeypatch.setattr(
         type(evictions), '_contiguous_run',
-        lambda self, device, reported, pinned: [records[1]])
+        lambda self, device, reported: [records[1]])
     pinned = records[1].views[None].view(-1)
     assert evictions._evict_for_allocation(OOM)
     assert records[0].cand_index < 0 and records[1].cand_index >= 0
@@ -377,6 +380,6 @@ def test_a_run_freed_before_its_eviction_falls_back(monkeypatch):
     evictions._drop_candidate(gone)  # as _on_free drops a freed one
     monkeypatch.setattr(
         type(evictions), '_contiguous_run',
-        lambda self, device, reported, pinned: [gone])
+        lambda self, device, reported: [gone])
     assert evictions._evict_for_allocation(OOM)
     assert evictions.evictions == 1 and records[0].cand_index < 0

@@ -1,10 +1,11 @@
-"""The arguments of the op that just ran are never evicted (R3).
+"""What a backward node holds is never evicted (R3).
 
-An unpack hands a backward op the engine's own alias of a resident saved
-storage; its use count then shows no other holder, yet the op's argument
-list holds it until the op returns. Evicting it freed nothing and counted an
+An unpack hands a backward node the engine's own alias of a resident saved
+storage; the storage's use count then shows no other holder, yet the node
+holds the alias until it is done. Evicting it freed nothing and counted an
 eviction: an LSTM's backward at half its peak made 3 of its 8 evictions so
-(an adversarial search of 2026-11-29).
+(an adversarial search of 2026-11-29), two of them after an op that read
+it, one inside a rebuild another unpack of the node started.
 """
 import pytest
 import torch
@@ -15,14 +16,13 @@ from mmdtr.core import eviction
 
 @pytest.fixture
 def evictions_that_freed_nothing(monkeypatch):
-    """The sizes of storages evicted outside a rebuild that were still
-    alive after their eviction."""
+    """The sizes of storages still alive after their eviction."""
     kept = []
     evict = eviction.Evictor._evict
 
     def checked(self, rec):
         evict(self, rec)
-        if rec.cdata is not None and self.rebuilt is None:
+        if rec.cdata is not None:
             kept.append(rec.nbytes)
 
     monkeypatch.setattr(eviction.Evictor, '_evict', checked)
@@ -37,8 +37,8 @@ def _lstm_step(model):
     return loss.detach()
 
 
-def test_a_running_backward_op_keeps_its_inputs(oracle,
-                                                evictions_that_freed_nothing):
+def test_what_a_backward_node_holds_is_kept(oracle,
+                                            evictions_that_freed_nothing):
     torch.manual_seed(0)
     check = oracle(nn.LSTM(32, 64, num_layers=2, batch_first=True), _lstm_step)
     stats = check.run(check.baseline_peak // 2)

@@ -169,9 +169,9 @@ def test_a_real_rebuild_that_thrashes_keeps_what_it_reads_again(
     thrashed = []
     evict_one = Evictor._evict_one
 
-    def spy(self, *pinned):
+    def spy(self):
         thrashed.append(self.thrashing)
-        return evict_one(self, *pinned)
+        return evict_one(self)
 
     monkeypatch.setattr(Evictor, '_evict_one', spy)
     with DTR(

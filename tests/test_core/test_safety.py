@@ -338,7 +338,7 @@ def test_random_op_retried_after_oom_restarts_from_its_rng_state():
     a random op's failed try may have advanced its generator (R6)."""
     state = EngineState(1, 1, False, build_policy('dtr'), 'cpu')
     state.cuda = True  # the retry path, driven on CPU
-    state._evict_one = lambda pinned=(): True
+    state._evict_one = lambda: True
     tries = []
 
     def flaky_rand(size):
