@@ -95,10 +95,6 @@ class EvictedClass:
         return self
 
 
-def _nothing(obj) -> bool:
-    return False
-
-
 class WeakList(list):
     """Weak references to objects: the records whose recipes read one
     record, the tensors ops returned over its storage.
@@ -117,20 +113,20 @@ class WeakList(list):
 
     def add(self, obj) -> None:
         if len(self) >= self.prune_at:
-            self[:] = [ref for ref in self if ref() is not None]
-            self.prune_at = max(8, 2 * len(self))
+            self.prune()
         self.append(weakref.ref(obj))
 
-    def drop_dead_or(self, unwanted) -> None:
-        """Drop the references to dead objects and to those for which
-        ``unwanted(obj)`` is true."""
-        kept = []
-        for ref in self:
-            obj = ref()
-            if obj is not None and not unwanted(obj):
-                kept.append(ref)
-        self[:] = kept
-        self.prune_at = max(8, 2 * len(kept))
+    def prune(self, unwanted=None) -> None:
+        """Drop the references to dead objects, and to those for which
+        ``unwanted(obj)`` is true if it is given."""
+        if unwanted is None:
+            self[:] = [ref for ref in self if ref() is not None]
+        else:
+            self[:] = [
+                ref for ref in self
+                if (obj := ref()) is not None and not unwanted(obj)
+            ]
+        self.prune_at = max(8, 2 * len(self))
 
     def live(self) -> list:
         """The objects still alive, each once. References to dead ones are
@@ -149,7 +145,7 @@ class WeakList(list):
                 seen.add(id(obj))
                 objs.append(obj)
         if dead:
-            self.drop_dead_or(_nothing)
+            self.prune()
         return objs
 
     def any_live(self) -> bool:

@@ -103,7 +103,7 @@ class Writes:
         # a frozen reader never reads the storage again: the next write
         # does not walk it (K reads, each followed by a write, walked K^2
         # readers before; found by an audit of the hot path, R1)
-        readers.drop_dead_or(_frozen)
+        readers.prune(_frozen)
 
     def _freeze(self, rec):
         """An input of ``rec`` is about to change for good (R7).
