@@ -10,7 +10,6 @@ before it applies any.
 import difflib
 import inspect
 import math
-import numbers
 from typing import Iterable, NamedTuple, Optional, Tuple
 
 import torch
@@ -19,6 +18,7 @@ from mmdtr.errors import MmdtrError
 from mmdtr.techniques.inplace_update import (NOT_PER_PARAMETER,
                                              foreach_refused,
                                              not_per_parameter_refused)
+from mmdtr.utils.value_kinds import is_integer, is_real
 
 KEY = 'optim_wrapper'
 #: The arguments of ``InplaceOptimWrapper``.
@@ -60,16 +60,12 @@ class AmpSettings(NamedTuple):
     static_scale: Optional[float]
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _arguments(func, skip: int) -> list:
     return list(inspect.signature(func).parameters)[skip:]
 
 
 def _check_positive(value, key: str, hint: str) -> None:
-    if not (_is_number(value) and 0 < value < math.inf):  # nan: False
+    if not (is_real(value) and 0 < value < math.inf):  # nan: False
         raise MmdtrError(
             f'{key}={value!r} is not accepted; expected a positive finite '
             'number.',
@@ -147,8 +143,7 @@ def check_accumulative_counts(counts, step_in_backward: bool) -> None:
         MmdtrError: If ``counts`` is not a positive int (bools refused), or
             is not 1 with ``step_in_backward``.
     """
-    if (not isinstance(counts, numbers.Integral) or isinstance(counts, bool)
-            or counts < 1):
+    if not is_integer(counts) or counts < 1:
         raise MmdtrError(
             f'{KEY}.accumulative_counts={counts!r} is not accepted; expected '
             'a positive integer (1: no accumulation).',
@@ -216,7 +211,7 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
     _check_positive(settings[limit], f'{key}.{limit}',
                     f'e.g. clip_grad={_CLIP_FORMS[clip_type]}.')
     norm_type = settings.get('norm_type', 2.0)
-    if not (_is_number(norm_type) and norm_type > 0 or norm_type == 'inf'):
+    if not (is_real(norm_type) and norm_type > 0 or norm_type == 'inf'):
         raise MmdtrError(
             f'{key}.norm_type={norm_type!r} is not accepted; expected a '
             "positive number, float('inf') or 'inf'.",
@@ -251,21 +246,20 @@ def _scaler_kwargs(loss_scale: dict) -> dict:
     for name, value in loss_scale.items():
         if name == 'init_scale':
             _check_positive(value, f'{key}.{name}', hint)
-        elif name == 'growth_factor' and not (_is_number(value)
+        elif name == 'growth_factor' and not (is_real(value)
                                               and 1 < value < math.inf):
             raise MmdtrError(
                 f'{key}.{name}={value!r} is not accepted; expected a finite '
                 'number > 1.',
                 hint='e.g. growth_factor=2.0 (the default).')
-        elif name == 'backoff_factor' and not (_is_number(value)
+        elif name == 'backoff_factor' and not (is_real(value)
                                                and 0 < value < 1):
             raise MmdtrError(
                 f'{key}.{name}={value!r} is not accepted; expected a number '
                 'between 0 and 1 (exclusive).',
                 hint='e.g. backoff_factor=0.5 (the default).')
-        elif name == 'growth_interval' and (
-                not isinstance(value, numbers.Integral)
-                or isinstance(value, bool) or value < 1):
+        elif name == 'growth_interval' and (not is_integer(value)
+                                            or value < 1):
             raise MmdtrError(
                 f'{key}.{name}={value!r} is not accepted; expected a '
                 'positive integer.',
@@ -314,7 +308,7 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
         return AmpSettings(cast_dtype, None, None)
     if isinstance(loss_scale, str) and loss_scale == 'dynamic':
         kwargs = {}
-    elif _is_number(loss_scale):
+    elif is_real(loss_scale):
         _check_positive(loss_scale, f'{key}.loss_scale', f'{_SCALE_EXAMPLE}.')
         static_scale = float(loss_scale)
         kwargs = dict(init_scale=static_scale)
