@@ -71,6 +71,9 @@ class DTRStats:
             (``set_`` included; not calls on tensor subclasses), plus ops
             replayed to rebuild storages.
         threshold (int | None): The eviction threshold in bytes.
+        idle_ops (int): Ops run before recording started (the
+            ``recording_threshold``; 0 without one): what they allocated
+            is never evicted (R16).
     """
     peak_memory: int
     evictions: int
@@ -79,6 +82,7 @@ class DTRStats:
     eviction_failures: int
     ops: int
     threshold: Optional[int]
+    idle_ops: int = 0
 
 
 class DTR:
@@ -101,6 +105,11 @@ class DTR:
             ``torch.device`` of those types. Defaults to the device of the
             first storage an op allocates in scope (a CUDA device: its
             ``memory_allocated``).
+        recording_threshold (int | str | None): Record ops only once memory
+            in use passes it: before that they run as they do without DTR,
+            metered, and what they allocate is never evicted (R16). Below
+            ``eviction_threshold``. ``None`` or 0 (default): record from
+            the first op.
         **unknown: Refused: a misspelt argument (``eviction_treshold``)
             raises :class:`MmdtrError` naming it and the closest argument.
 
@@ -125,6 +134,7 @@ class DTR:
                  enable_sqrt_sampling: bool = False,
                  policy='dtr',
                  device=None,
+                 recording_threshold=None,
                  **unknown):
         if unknown:
             _refuse_unknown_arguments(unknown)
@@ -140,6 +150,8 @@ class DTR:
         self.enable_sqrt_sampling = enable_sqrt_sampling
         self.policy = build_policy(policy)
         self.device = device = _check_device(device)
+        self.recording_threshold = _check_recording_threshold(
+            recording_threshold, self.eviction_threshold)
         needs_cuda = device.type != 'cuda' if device is not None else \
             not torch.cuda.is_available()
         if self.eviction_threshold is None and needs_cuda:
@@ -158,7 +170,7 @@ class DTR:
         _refuse_inside_saved_tensor_hooks()
         state = EngineState(self.eviction_threshold, self.evictee_minimum_size,
                             self.enable_sqrt_sampling, self.policy,
-                            self.device)
+                            self.device, self.recording_threshold)
         mode = _DTRDispatchMode(state)
         hooks = torch.autograd.graph.saved_tensors_hooks(
             _locked(state.lock, state.pack), _locked(state.lock, state.unpack))
@@ -274,11 +286,31 @@ class DTR:
             remat_seconds=state.remat_seconds,
             eviction_failures=state.eviction_failures,
             ops=state.clock,
-            threshold=state.threshold)
+            threshold=state.threshold,
+            idle_ops=state.idle_ops)
 
 
 _ARGUMENTS = ('eviction_threshold', 'evictee_minimum_size',
-              'enable_sqrt_sampling', 'policy', 'device')
+              'enable_sqrt_sampling', 'policy', 'device',
+              'recording_threshold')
+
+
+def _check_recording_threshold(value, eviction_threshold) -> Optional[int]:
+    """``recording_threshold`` in bytes (``None`` for none), below the
+    eviction threshold: what runs before recording starts is never
+    evicted, so at or above it nothing recorded could bring memory back
+    under the threshold (R16)."""
+    recording = parse_size(value, 'recording_threshold', allow_none=True)
+    if not recording:
+        return None
+    if eviction_threshold is not None and recording >= eviction_threshold:
+        raise MmdtrError(
+            f'recording_threshold={value!r} ({recording} bytes) is not below '
+            f'eviction_threshold ({eviction_threshold} bytes): what ops '
+            'allocate before recording starts is never evicted.',
+            'Give a smaller recording_threshold (half the eviction '
+            'threshold, say), or None to record from the first op.')
+    return recording
 
 
 def _refuse_unknown_arguments(unknown: dict):

@@ -106,9 +106,18 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         policy (EvictionPolicy): Scores candidates (lower goes first).
         device (torch.device | None): The device whose memory is metered;
             ``None``: the device of the first storage an op allocates (R11).
+        recording_threshold (int | None): Ops are only run and metered,
+            not recorded, until memory in use passes this; ``None``:
+            recorded from the first op (R16).
     """
 
-    def __init__(self, threshold, min_size, sqrt_sampling, policy, device):
+    def __init__(self,
+                 threshold,
+                 min_size,
+                 sqrt_sampling,
+                 policy,
+                 device,
+                 recording_threshold=None):
         self.threshold, self.min_size = threshold, min_size
         self.sqrt_sampling, self.policy = sqrt_sampling, policy
         # DTR's evicted classes, kept only for a policy that reads e* (R8)
@@ -154,6 +163,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         # may run a graph's backward in another thread (R12)
         self.lock = _LOCK
         _OPEN_ENGINES.add(self)
+        self.recording_threshold = recording_threshold
+        self.idle_ops = 0  # ops run before recording started (R16)
+        if recording_threshold:
+            self.on_op = self._on_op_idle  # until memory passes it (R16)
 
     # the dispatch hot path (R1) -------------------------------------------
     def on_op(self, func, args, kwargs):
@@ -236,6 +249,26 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             self.lower_limit(memory)
         return out
 
+    def _on_op_idle(self, func, args, kwargs):
+        """An op before recording starts (R16): run as it is, as eager
+        runs it, with its new storages metered (as :meth:`on_op` meters
+        them) and none recorded: like storages from before the scope, they
+        are never evicted. Once memory in use passes
+        ``recording_threshold``, the ops that follow are recorded."""
+        info = op_info(func)
+        out = self._run(
+            func,
+            args,
+            kwargs,
+            unlocked=not (info.written_args or info.side_effect_args))
+        self.clock += 1
+        self.idle_ops += 1
+        self._register_outputs(out, args, kwargs, info, count_only=True)
+        memory = self.memory_after_op()
+        if memory is not None and memory > self.recording_threshold:
+            del self.on_op  # the class's: every later op recorded (R16)
+        return out
+
     def on_subclass_op(self, func, args, kwargs):
         """An op on tensor subclasses: run it as it is (nothing it makes is
         recorded, so it is kept), but a write to a storage the engine knows
@@ -288,8 +321,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
                 (get_arg(info, args, kwargs, i) for i in scratch), parts)
         return writes + parts, n_declared, scratch
 
-    def _register_outputs(self, out, args, kwargs, info):
+    def _register_outputs(self, out, args, kwargs, info, count_only=False):
         """Register the storages the call allocated; return them (R11).
+        ``count_only``: count them in memory in use, with no record (R16).
 
         Views are detected here, at run time (R2): an output over a recorded
         storage joins that storage's record, and one over the storage of an
@@ -333,6 +367,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows
                 # them, R11)
+            if count_only:
+                self.count_unrecorded(storage, cdata)
+                continue
             rec = self._register(storage, cdata)
             rec.track(o)
             new.append((i, rec))

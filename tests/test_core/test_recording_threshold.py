@@ -1,0 +1,155 @@
+"""Recording from a threshold on (design.md R16).
+
+Before memory in use passes ``recording_threshold`` the engine runs ops as
+they are and meters what they allocate; what they make is never evicted,
+and the result is bit-identical to eager wherever recording starts.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmdtr.core.recording_threshold import (AUTO_FRACTION,
+                                            next_recording_threshold)
+from mmdtr.dtr import DTR, DTRStats
+from mmdtr.errors import MmdtrError
+from mmdtr.utils.profiler_memory import measure_peak_memory
+from .test_equivalence import ZOO
+from .test_meter import _model
+from .test_random_graphs import OPS, run
+
+# (eviction threshold, recording threshold), as fractions of the peak
+PAIRS = ((0.9, 0.5), (0.5, 0.25), (0.3, 0.1))
+
+
+@pytest.mark.parametrize('name', sorted(ZOO))
+def test_zoo_is_bit_identical_wherever_recording_starts(name, oracle):
+    make, step = ZOO[name]
+    torch.manual_seed(0)
+    check = oracle(make(), step)
+    peak = check.baseline_peak
+    evicted = False
+    for evict_at, record_at in PAIRS:
+        stats = check.run(
+            peak * evict_at, recording_threshold=int(peak * record_at))
+        assert 0 < stats.idle_ops < stats.ops, stats
+        evicted |= stats.evictions > 0 and stats.recomputations > 0
+    assert evicted  # recorded ops were evicted and rebuilt somewhere
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    program=st.lists(
+        st.tuples(st.sampled_from(OPS), st.integers(0, 1000)),
+        min_size=3,
+        max_size=25),
+    seed=st.integers(0, 2**16),
+    record_at=st.integers(1, 200_000))
+def test_random_graphs_are_bit_identical_wherever_recording_starts(
+        program, seed, record_at):
+    w0 = torch.randn(32, 32) * 0.2
+    expected = run(program, seed, w0)
+    rng = torch.get_rng_state()
+    with DTR(
+            eviction_threshold=record_at + 1,  # evict all that is recorded
+            evictee_minimum_size=1,
+            recording_threshold=record_at) as engine:
+        got = run(program, seed, w0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for e, g in zip(expected, got):
+        assert (e is None and g is None) or torch.equal(e, g)
+    assert engine.stats.idle_ops > 0
+
+
+def _chain(x, n):
+    """``n`` tanh ops (each saves its output, 64 KB); the storage pointer
+    of each output, kept while autograd holds it."""
+    h, made = x, []
+    for _ in range(n):
+        h = (h * 1.0001).tanh()
+        made.append(h.untyped_storage()._cdata)
+    return h.sum(), made
+
+
+def test_what_runs_before_recording_starts_is_never_evicted():
+    x = torch.randn(128, 128, requires_grad=True)
+    expected, _ = _chain(x, 24)
+    expected.backward()
+    grad, x.grad = x.grad, None
+    size = 128 * 128 * 4
+    with DTR(
+            eviction_threshold=12 * size,
+            evictee_minimum_size=1,
+            recording_threshold=8 * size) as engine:
+        loss, made = _chain(x, 24)
+        # what the ops made before memory passed 8 tanh outputs' worth
+        # (their products too) was metered, not recorded, and is resident
+        # still; the rest was recorded, and some of it evicted
+        idle = [c for c in made if c in engine._state.transients]
+        assert idle == made[:len(idle)] and 4 <= len(idle) <= 8
+        assert engine.stats.evictions > 0
+        loss.backward()
+    assert torch.equal(loss, expected) and torch.equal(x.grad, grad)
+    assert 0 < engine.stats.idle_ops < engine.stats.ops
+
+
+def _idle_step(model, x):
+    model.zero_grad(set_to_none=True)
+    with DTR(eviction_threshold=2**40, recording_threshold=2**39) as e:
+        model(x).square().sum().backward()
+    return e.stats
+
+
+def test_meter_equals_profiler_before_recording_starts():
+    """As test_meter's check of the recording engine, on the same step."""
+    model, x = _model(), torch.randn(8, 16, 32, 32)
+    _idle_step(model, x)  # warm-up: lazy initializations allocate
+    stats, profiled = measure_peak_memory(_idle_step, model, x)
+    assert stats.idle_ops == stats.ops > 0
+    assert stats.peak_memory == profiled
+
+
+@pytest.mark.parametrize('value, text', [
+    ('2GB', "recording_threshold='2GB' (2147483648 bytes) is not below "
+     'eviction_threshold (1073741824 bytes)'),
+    ('1GB', 'is not below eviction_threshold'),
+    ('auto', "recording_threshold='auto' is not a size"),
+    (True, 'recording_threshold=True'),
+    (-1, 'recording_threshold=-1 is negative'),
+])
+def test_bad_recording_thresholds_are_refused(value, text):
+    with pytest.raises(MmdtrError, match='mmdtr: ') as info:
+        DTR(eviction_threshold='1GB', recording_threshold=value)
+    assert text in str(info.value)
+
+
+@pytest.mark.parametrize('value', [None, 0])
+def test_no_recording_threshold_records_from_the_first_op(value):
+    with DTR(eviction_threshold='1GB', recording_threshold=value) as engine:
+        (torch.randn(4, 4, requires_grad=True) * 2).sum().backward()
+    assert engine.stats.idle_ops == 0 and engine.stats.ops > 0
+
+
+def _stats(peak, threshold=1000, evictions=0, failures=0):
+    return DTRStats(
+        peak_memory=peak,
+        evictions=evictions,
+        recomputations=evictions,
+        remat_seconds=0.0,
+        eviction_failures=failures,
+        ops=10,
+        threshold=threshold)
+
+
+@pytest.mark.parametrize('stats, expected', [
+    (None, None),
+    (_stats(100, threshold=None), None),
+    (_stats(100), int(1000 * AUTO_FRACTION)),
+    (_stats(int(1000 * AUTO_FRACTION)), int(1000 * AUTO_FRACTION)),
+    (_stats(int(1000 * AUTO_FRACTION) + 1), None),
+    (_stats(100, evictions=1), None),
+    (_stats(100, failures=1), None),
+    (_stats(0, threshold=1), None),
+])
+def test_next_recording_threshold(stats, expected):
+    assert next_recording_threshold(stats) == expected
