@@ -67,6 +67,7 @@ def build_suite(args, cfg: Config, work_dir: str) -> BenchmarkSuite:
         evictee_minimum_size=parse_size(args.evictee_minimum_size,
                                         '--evictee-minimum-size'),
         sqrt_sampling=args.sqrt_sampling,
+        recording=args.recording,
         warmup=quick_default(args.warmup, 'warmup', args, 1),
         steps=quick_default(args.steps, 'steps', args, 3),
         optimizer=args.optimizer,

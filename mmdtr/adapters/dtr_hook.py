@@ -32,7 +32,7 @@ from .config_translation import (check_registered_type, check_scoped_type,
                                  config_check, hook_name, memory_key,
                                  refuse_unless_dict)
 from .dtr_model_wrapper import DTRDistributedDataParallel
-from .dtr_train_step import DTRTrainStep, dtr_settings, model_device
+from .dtr_train_step import AUTO, DTRTrainStep, dtr_settings, model_device
 
 KEY = 'dtr'
 
@@ -239,6 +239,12 @@ class DTRHook(Hook):
             ``'largest'``, or a name registered with
             :func:`mmdtr.dtr.register_policy`; ``None`` means ``'dtr'``.
             Defaults to ``'dtr'``.
+        recording_threshold (int | str | None): ``'auto'`` (default):
+            an iteration runs its ops as they are, metered, until memory
+            in use passes half the threshold, if the last iteration
+            evicted nothing and peaked below that; else it records from
+            the first op (design.md R16). A size: record once memory in
+            use passes it. ``None``: always from the first op.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:
@@ -253,12 +259,15 @@ class DTRHook(Hook):
                  eviction_threshold: Union[int, str, None] = None,
                  evictee_minimum_size: Union[int, str] = 2**20,
                  enable_sqrt_sampling: bool = False,
-                 policy='dtr'):
+                 policy='dtr',
+                 recording_threshold: Union[int, str, None] = 'auto'):
         self.settings = dict(
             eviction_threshold=eviction_threshold,
             evictee_minimum_size=evictee_minimum_size,
             enable_sqrt_sampling=enable_sqrt_sampling,
             policy=policy)
+        if recording_threshold != AUTO:  # 'auto' is implicit, as in dtr=
+            self.settings['recording_threshold'] = recording_threshold
         dtr_settings(self.settings, 'DTRHook')
         self.step: Optional[DTRTrainStep] = None
         self._attached_to = self._own_train_step = self._wrapper = None

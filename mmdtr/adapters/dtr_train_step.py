@@ -27,6 +27,7 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
+from mmdtr.core.recording_threshold import next_recording_threshold
 from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
@@ -34,9 +35,14 @@ from mmdtr.errors import MmdtrError
 #: The sub-keys of ``dtr`` (the arguments of :class:`~mmdtr.dtr.DTR` that a
 #: config sets; the device is the model's).
 DTR_SUB_KEYS = ('eviction_threshold', 'evictee_minimum_size',
-                'enable_sqrt_sampling', 'policy')
+                'enable_sqrt_sampling', 'policy', 'recording_threshold')
 _EXAMPLE = ("dtr=dict(eviction_threshold='2GB', evictee_minimum_size='1MB', "
-            "enable_sqrt_sampling=False, policy='dtr')")
+            "enable_sqrt_sampling=False, policy='dtr', "
+            "recording_threshold='auto')")
+#: ``recording_threshold`` chosen per iteration from the last one's
+#: statistics (:func:`~mmdtr.core.recording_threshold.
+#: next_recording_threshold`, design.md R16)
+AUTO = 'auto'
 #: MessageHub scalar name -> how to get it from the engine's stats
 SCALARS = {
     'train/dtr_peak_memory_mb': lambda s: s.peak_memory / 2**20,
@@ -44,6 +50,7 @@ SCALARS = {
     'train/dtr_recomputations': lambda s: s.recomputations,
     'train/dtr_remat_seconds': lambda s: s.remat_seconds,
     'train/dtr_eviction_failures': lambda s: s.eviction_failures,
+    'train/dtr_idle_ops': lambda s: s.idle_ops,
 }
 
 
@@ -64,7 +71,9 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
 
     Returns:
         dict: The settings as given, as a plain dict, without a
-        ``policy`` of ``None`` (the default, ``'dtr'``).
+        ``policy`` of ``None`` (the default, ``'dtr'``). A
+        ``recording_threshold`` left out is ``'auto'``: chosen per
+        iteration (:class:`DTRTrainStep`).
 
     Raises:
         MmdtrError: If ``value`` is not a dict, has unknown sub-keys, or has
@@ -111,9 +120,16 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
             hint='a policy of your own is accepted by the name it was '
             'registered under (mmdtr.dtr.register_policy) in a module the '
             'config imports (custom_imports).')
+    engine_settings = dict(settings)
+    if settings.get('recording_threshold', AUTO) == AUTO:
+        engine_settings.pop('recording_threshold', None)
     try:
-        DTR(device=device, **settings)
+        DTR(device=device, **engine_settings)
     except MmdtrError as e:
+        if 'recording_threshold' in e.message:
+            e = MmdtrError(
+                e.message, f"{e.hint} Or '{AUTO}' (the default): chosen "
+                'per iteration.')
         raise MmdtrError(
             f'{key}={settings!r} is not accepted: {e.message}',
             hint=e.hint) from None
@@ -191,7 +207,7 @@ class DTRTrainStep:
                 'one engine per process (rank), never two nested.',
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
-        engine = DTR(device=self.device, **self.settings)
+        engine = DTR(device=self.device, **self._engine_settings())
         if isinstance(optim_wrapper, OptimWrapperDict):
             # several backwards (GANs): the engine spans the whole step,
             # optimizer steps included (R7 orders their parameter writes)
@@ -207,6 +223,15 @@ class DTRTrainStep:
             self.warned = True
             print_log(_not_held(self.stats), 'current', logging.WARNING)
         return result
+
+    def _engine_settings(self) -> dict:
+        """The settings of this iteration's engine: ``'auto'`` resolved
+        from the last iteration's statistics (R16)."""
+        if self.settings.get('recording_threshold', AUTO) != AUTO:
+            return self.settings
+        return dict(
+            self.settings,
+            recording_threshold=next_recording_threshold(self.stats))
 
     @staticmethod
     def _close_after_backward(engine, train_step, data, optim_wrapper):

@@ -120,6 +120,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         f'{", ".join(ALTERNATIVES)}, or a size')
     dtr.add_argument('--evictee-minimum-size', default='1MB')
     dtr.add_argument('--sqrt-sampling', action='store_true')
+    dtr.add_argument(
+        '--recording',
+        default='auto',
+        choices=('auto', 'always'),
+        help="DTR's recording_threshold: 'auto' as DTRHook's default (a "
+        'step that fit under half the threshold lets the next run its ops '
+        "unrecorded until memory passes that point), 'always': every op "
+        'recorded (default auto)')
     batch = parser.add_argument_group('largest batch')
     batch.add_argument(
         '--capacity',

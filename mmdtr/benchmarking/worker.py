@@ -36,6 +36,7 @@ import torch
 # so that the fork server of the launcher has it for every run.
 import torch._dynamo  # noqa: F401
 
+from mmdtr.core.recording_threshold import next_recording_threshold
 from mmdtr.dtr import DTR
 from mmdtr.utils.profiler_memory import measure_memory
 from .workloads import (NO_EVICTION, DispatchFloor, Workload, apply_technique,
@@ -58,6 +59,7 @@ def make_spec(config: str,
               policy: str = 'dtr',
               evictee_minimum_size: int = 2**20,
               sqrt_sampling: bool = False,
+              recording: str = 'auto',
               warmup: int = 1,
               steps: int = 3,
               optimizer: str = 'sgd',
@@ -85,6 +87,11 @@ def make_spec(config: str,
             bytes. Defaults to 1 MiB.
         sqrt_sampling (bool): DTR scores about sqrt(N) sampled eviction
             candidates. Defaults to False.
+        recording (str): ``'auto'``: each DTR step's
+            ``recording_threshold`` follows from the last step's
+            statistics, as ``DTRHook`` chooses it by default
+            (design.md R16); ``'always'``: every op recorded. Defaults to
+            ``'auto'``.
         warmup (int): Steps before the measured ones. Defaults to 1.
         steps (int): Measured steps. Defaults to 3.
         optimizer (str): One of :data:`~.workloads.OPTIMIZERS`.
@@ -116,6 +123,7 @@ def make_spec(config: str,
         policy=policy,
         evictee_minimum_size=evictee_minimum_size,
         sqrt_sampling=sqrt_sampling,
+        recording=recording,
         warmup=warmup,
         steps=steps,
         optimizer=optimizer,
@@ -151,6 +159,9 @@ def _measure(spec: dict, result: dict) -> None:
     result['applied'] = apply_technique(work.model, spec['technique'],
                                         spec['blocks'])
 
+    auto = spec.get('recording', 'auto') == 'auto'
+    last = []  # the statistics of the latest DTR step (R16)
+
     def engine():
         if spec['technique'] == 'dispatch_floor':
             return DispatchFloor()
@@ -161,10 +172,18 @@ def _measure(spec: dict, result: dict) -> None:
             evictee_minimum_size=spec['evictee_minimum_size'],
             enable_sqrt_sampling=spec['sqrt_sampling'],
             policy=spec['policy'],
-            device=device)
+            device=device,
+            recording_threshold=next_recording_threshold(last[-1])
+            if auto and last else None)
+
+    def step(eng):
+        loss = work.step(eng)
+        if isinstance(eng, DTR):
+            last[:] = [eng.stats]
+        return loss
 
     for _ in range(spec['warmup']):
-        work.step(engine())
+        step(engine())
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -172,7 +191,7 @@ def _measure(spec: dict, result: dict) -> None:
     for _ in range(spec['steps']):
         eng = engine()
         start = time.perf_counter()
-        result['loss'] = work.step(eng)
+        result['loss'] = step(eng)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -190,10 +209,10 @@ def _measure(spec: dict, result: dict) -> None:
     if stats:
         result['peak_engine'] = max(s.peak_memory for s in stats)
         for key in ('evictions', 'recomputations', 'eviction_failures',
-                    'remat_seconds', 'ops'):
+                    'remat_seconds', 'ops', 'idle_ops'):
             result[key] = statistics.fmean(getattr(s, key) for s in stats)
     if not cuda and spec['profile']:
-        measured = measure_memory(work.step, (engine(), ))
+        measured = measure_memory(step, (engine(), ))
         result['peak_independent'] = measured.peak_bytes
         result['independent_meter'] = 'torch.profiler'
 
@@ -211,7 +230,8 @@ def run_spec(spec: dict) -> dict:
         ``independent_meter``, ``evictions``, ``recomputations``,
         ``eviction_failures``, ``remat_seconds``, ``ops`` (per step: ops
         the engine saw, in the metering step for runs without DTR),
-        ``loss``,
+        ``idle_ops`` (per step: of those, ops run before recording
+        started), ``loss``,
         ``applied``, ``num_threads``, ``wall_s``, ``load_average`` (the
         1-minute load average at start and end); missing figures are None.
     """
@@ -227,7 +247,8 @@ def run_spec(spec: dict) -> dict:
         recomputations=None,
         eviction_failures=None,
         remat_seconds=None,
-        ops=None)
+        ops=None,
+        idle_ops=None)
     start = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
     try:

@@ -46,12 +46,12 @@ def test_translate_accepted(value, hook_cfg):
     [
         ('3GB', "dtr='3GB' (str) is not accepted; expected a dict with the "
          "keys ['eviction_threshold', 'evictee_minimum_size', "
-         "'enable_sqrt_sampling', 'policy']"),
+         "'enable_sqrt_sampling', 'policy', 'recording_threshold']"),
         (True, 'dtr=True (bool) is not accepted'),
         (dict(eviction_treshold='3GB'), 'dtr.eviction_treshold is not a DTR '
          "setting; accepted: ['eviction_threshold', 'evictee_minimum_size', "
-         "'enable_sqrt_sampling', 'policy'], closest matches: "
-         "['eviction_threshold']"),
+         "'enable_sqrt_sampling', 'policy', 'recording_threshold'], "
+         "closest matches: ['eviction_threshold', 'recording_threshold']"),
         (dict(eviction_threshold='3GB', sqrt_sampling=True),
          "closest matches: ['enable_sqrt_sampling']"),
         (dict(eviction_threshold='3XB'),

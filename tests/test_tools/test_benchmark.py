@@ -224,6 +224,27 @@ def test_overrides_must_fit_the_dataset():
         load_config(GPT, image_size=32)
 
 
+@pytest.mark.parametrize('recording', ['auto', 'always'])
+def test_dtr_runs_choose_the_recording_threshold_as_the_hook(recording):
+    """'auto': the warm-up step fit under half the threshold, so the
+    measured one records nothing (R16); 'always': it records every op."""
+    result = run_spec(
+        make_spec(
+            RESNET,
+            'dtr',
+            2,
+            cfg_options=SMALL,
+            image_size=64,
+            threshold=NO_EVICTION,
+            recording=recording,
+            warmup=1,
+            steps=1,
+            profile=False))
+    assert result['status'] == 'ok', result['error']
+    assert result['ops'] > 0
+    assert result['idle_ops'] == (result['ops'] if recording == 'auto' else 0)
+
+
 def test_run_spec_in_process_and_in_a_subprocess(tmp_path, capsys):
     common = dict(cfg_options=SMALL, image_size=64, warmup=0)
     meter_spec = make_spec(

@@ -1,0 +1,82 @@
+"""DTRTrainStep's ``recording_threshold='auto'`` (the default; design.md
+R16): a step that fit under half the eviction threshold, evicting nothing,
+lets the next one run its ops as they are until memory passes that point.
+"""
+import copy
+import uuid
+
+import pytest
+import torch
+from mmengine.logging import MessageHub
+
+from mmdtr.adapters.dtr_train_step import DTRTrainStep
+from mmdtr.core.recording_threshold import AUTO_FRACTION
+from .test_dtr_model_wrapper import DTRWrapperToyNet, _sgd, batch
+from .test_dtr_training import assert_same_state
+
+pytestmark = pytest.mark.usefixtures('single_thread')
+
+
+def _hub():
+    return MessageHub.get_instance(f'dtr_recording_{uuid.uuid4().hex}')
+
+
+def _big_batch():
+    """Four batches in one: about four times a batch's memory."""
+    parts = [batch(i % 2) for i in range(4)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_auto_skips_recording_while_steps_fit_and_records_when_they_grow():
+    model = DTRWrapperToyNet()
+    plain = copy.deepcopy(model)
+    optim, plain_optim = _sgd(model), _sgd(plain)
+    probe = DTRTrainStep(dict(eviction_threshold='1GB'), message_hub=_hub())
+    probe(
+        copy.deepcopy(model).train_step, batch(0), _sgd(copy.deepcopy(model)))
+    peak = probe.stats.peak_memory
+    # a batch fits under the recording point; four batches do not fit
+    threshold = int(peak * 2.5)
+    assert peak <= threshold * AUTO_FRACTION
+    hub = _hub()
+    step = DTRTrainStep(
+        dict(eviction_threshold=threshold, evictee_minimum_size=1),
+        message_hub=hub)
+    seen = []
+    for data in (batch(0), batch(1), batch(0), _big_batch(), batch(1)):
+        step(model.train_step, data, optim)
+        plain.train_step(data, plain_optim)
+        seen.append(step.stats)
+    first, fits, fits_again, grown, after = seen
+    assert first.idle_ops == 0  # nothing known yet: recorded
+    assert fits.idle_ops == fits.ops and fits_again.idle_ops == fits.ops
+    # the grown step recorded from the recording point on, and evicted
+    # what it recorded to hold the threshold
+    assert 0 < grown.idle_ops < grown.ops and grown.evictions > 0
+    assert after.idle_ops == 0  # it evicted: the next step records again
+    assert_same_state(plain, model)
+    assert hub.get_scalar('train/dtr_idle_ops').current() == 0
+
+
+@pytest.mark.parametrize('recording_threshold', [None, 0])
+def test_recording_from_the_first_op_when_asked(recording_threshold):
+    model = DTRWrapperToyNet()
+    optim = _sgd(model)
+    step = DTRTrainStep(
+        dict(
+            eviction_threshold='1GB', recording_threshold=recording_threshold),
+        message_hub=_hub())
+    for i in range(3):
+        step(model.train_step, batch(i % 2), optim)
+        assert step.stats.idle_ops == 0 and step.stats.ops > 0
+
+
+def test_a_size_records_from_that_size():
+    model = DTRWrapperToyNet()
+    optim = _sgd(model)
+    step = DTRTrainStep(
+        dict(eviction_threshold='1GB', recording_threshold='10KB'),
+        message_hub=_hub())
+    for i in range(2):
+        step(model.train_step, batch(i), optim)
+        assert 0 < step.stats.idle_ops < step.stats.ops
