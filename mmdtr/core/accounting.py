@@ -100,13 +100,6 @@ class Accounting:
         self.records[cdata] = rec
         return rec
 
-    def count_unrecorded(self, storage, cdata):
-        """Count a new storage that gets no record (an op run before
-        recording starts, R16) until it is freed."""
-        if self.device is None and storage.nbytes():  # as _register (R11)
-            self._meter_device(storage.device)
-        self._count_transient(storage, cdata)
-
     def _count(self, storage, cdata, nbytes, on_free):
         """Add ``storage`` to memory in use until ``on_free`` sees it go."""
         wref = StorageRef(storage, on_free)

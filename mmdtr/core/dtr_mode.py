@@ -17,6 +17,7 @@ from mmdtr.errors import MmdtrError
 from . import collector
 from .accounting import oom_eviction_needs_cuda
 from .engine import EngineState
+from .idle_ops import DeferredHooks, check_recording_threshold
 from .policies import build_policy
 from .records import _PLAIN
 from .saved_tensors import graph_task_id
@@ -150,7 +151,7 @@ class DTR:
         self.enable_sqrt_sampling = enable_sqrt_sampling
         self.policy = build_policy(policy)
         self.device = device = _check_device(device)
-        self.recording_threshold = _check_recording_threshold(
+        self.recording_threshold = check_recording_threshold(
             recording_threshold, self.eviction_threshold)
         needs_cuda = device.type != 'cuda' if device is not None else \
             not torch.cuda.is_available()
@@ -172,11 +173,16 @@ class DTR:
                             self.enable_sqrt_sampling, self.policy,
                             self.device, self.recording_threshold)
         mode = _DTRDispatchMode(state)
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            _locked(state.lock, state.pack), _locked(state.lock, state.unpack))
+        hooks = DeferredHooks(
+            torch.autograd.graph.saved_tensors_hooks(
+                _locked(state.lock, state.pack),
+                _locked(state.lock, state.unpack)),
+            defer=state.recording_threshold is not None)
+        if hooks.deferred:  # pushed when recording starts (R16)
+            state.start_recording = hooks.enter_if_clear
         mode.__enter__()
         try:
-            hooks.__enter__()
+            hooks.enter()
         except BaseException:
             mode.__exit__(None, None, None)
             raise
@@ -227,7 +233,7 @@ class DTR:
         state, mode, hooks = self._state, self._mode, self._hooks
         self._state = self._mode = self._hooks = None
         try:
-            hooks.__exit__(exc_type, exc, tb)
+            hooks.exit(exc_type, exc, tb)
         finally:
             try:
                 if not popped:
@@ -293,24 +299,6 @@ class DTR:
 _ARGUMENTS = ('eviction_threshold', 'evictee_minimum_size',
               'enable_sqrt_sampling', 'policy', 'device',
               'recording_threshold')
-
-
-def _check_recording_threshold(value, eviction_threshold) -> Optional[int]:
-    """``recording_threshold`` in bytes (``None`` for none), below the
-    eviction threshold: what runs before recording starts is never
-    evicted, so at or above it nothing recorded could bring memory back
-    under the threshold (R16)."""
-    recording = parse_size(value, 'recording_threshold', allow_none=True)
-    if not recording:
-        return None
-    if eviction_threshold is not None and recording >= eviction_threshold:
-        raise MmdtrError(
-            f'recording_threshold={value!r} ({recording} bytes) is not below '
-            f'eviction_threshold ({eviction_threshold} bytes): what ops '
-            'allocate before recording starts is never evicted.',
-            'Give a smaller recording_threshold (half the eviction '
-            'threshold, say), or None to record from the first op.')
-    return recording
 
 
 def _refuse_unknown_arguments(unknown: dict):

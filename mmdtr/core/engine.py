@@ -6,8 +6,9 @@ holds the state, its records and the dispatch hot path; the state's
 accounting, eviction, recipe, replay, saved-tensor and in-place write
 methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
 :mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors`, :mod:`.writes` and
-:mod:`.foreign_memory` (and :mod:`.allocation_failures`, R15). The rules
-cited as R1..R15 are in docs/design.md.
+:mod:`.foreign_memory` (and :mod:`.allocation_failures`, R15; the ops
+before recording starts in :mod:`.idle_ops`, R16). The rules
+cited as R1..R16 are in docs/design.md.
 """
 import contextlib
 import os
@@ -21,6 +22,7 @@ from .accounting import Accounting
 from .arguments import SPARSE_LAYOUTS, argument_storages, tensors_in
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
+from .idle_ops import IdleOps
 from .op_semantics import (batch_norm_in_training, get_arg, op_info,
                            same_bits_on_replay)
 from .policies import keeps_evicted_classes
@@ -93,8 +95,8 @@ def _device_type(device: torch.device) -> str:
     return device_type
 
 
-class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
-                  SavedTensors, Writes):
+class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
+                  Replayer, SavedTensors, Writes):
     """Records, accounting and eviction of one engine (one thread, rank).
 
     Args:
@@ -165,6 +167,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
         _OPEN_ENGINES.add(self)
         self.recording_threshold = recording_threshold
         self.idle_ops = 0  # ops run before recording started (R16)
+        # asked before recording starts: False to wait (the façade's hooks)
+        self.start_recording = None
         if recording_threshold:
             self.on_op = self._on_op_idle  # until memory passes it (R16)
 
@@ -247,26 +251,6 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             self.evict_until()
         elif self.limit != self.threshold:
             self.lower_limit(memory)
-        return out
-
-    def _on_op_idle(self, func, args, kwargs):
-        """An op before recording starts (R16): run as it is, as eager
-        runs it, with its new storages metered (as :meth:`on_op` meters
-        them) and none recorded: like storages from before the scope, they
-        are never evicted. Once memory in use passes
-        ``recording_threshold``, the ops that follow are recorded."""
-        info = op_info(func)
-        out = self._run(
-            func,
-            args,
-            kwargs,
-            unlocked=not (info.written_args or info.side_effect_args))
-        self.clock += 1
-        self.idle_ops += 1
-        self._register_outputs(out, args, kwargs, info, count_only=True)
-        memory = self.memory_after_op()
-        if memory is not None and memory > self.recording_threshold:
-            del self.on_op  # the class's: every later op recorded (R16)
         return out
 
     def on_subclass_op(self, func, args, kwargs):
@@ -358,6 +342,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, Recipes, Replayer,
             if rec is not None:  # a view or write of one we know (R2)
                 rec.track(o)
                 continue
+            if count_only and cdata in self.transients:
+                continue  # counted already (R16)
             if not info.fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
                     inputs = argument_storages(args, kwargs)

@@ -36,6 +36,12 @@ _top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks',
                      None)
 
 
+def can_read_saved_tensor_hooks() -> bool:
+    """Whether this PyTorch reads the saved-tensor hooks in force without
+    running them (2.8 and later: ``_top_saved_tensors_default_hooks``)."""
+    return _top_hooks is not None
+
+
 def outer_saved_tensor_hooks() -> Optional[str]:
     """Whether a ``saved_tensors_hooks`` context is active on this thread.
 

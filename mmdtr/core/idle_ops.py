@@ -1,0 +1,152 @@
+"""Ops run before recording starts (rule R16 of docs/design.md).
+
+With a ``recording_threshold`` an engine first runs ops as they are and
+meters what they allocate, recording nothing; once memory in use passes the
+threshold, the ops that follow are recorded. :class:`IdleOps` is the
+state's half of it (a mixin of :class:`~mmdtr.core.engine.EngineState`),
+:class:`DeferredHooks` the façade's: where PyTorch tells whether another
+saved-tensor hooks context is active (2.8 and later), the engine's hooks are
+pushed when recording starts, so that autograd saves the idle ops' tensors
+itself, with its own version check, and calls no Python per saved tensor.
+"""
+from typing import Optional
+
+import torch
+
+from mmdtr.errors import MmdtrError
+from .arguments import tensors_in
+from .op_semantics import get_arg, op_info
+from .records import _PLAIN
+from .saved_tensors import graph_task_id
+from .sizes import parse_size
+from .torch_compat import can_read_saved_tensor_hooks
+
+_autograd = torch._C._autograd
+
+
+def check_recording_threshold(value, eviction_threshold) -> Optional[int]:
+    """``recording_threshold`` in bytes (``None`` for none), below the
+    eviction threshold: what runs before recording starts is never
+    evicted, so at or above it nothing recorded could bring memory back
+    under the threshold (R16)."""
+    recording = parse_size(value, 'recording_threshold', allow_none=True)
+    if not recording:
+        return None
+    if eviction_threshold is not None and recording >= eviction_threshold:
+        raise MmdtrError(
+            f'recording_threshold={value!r} ({recording} bytes) is not below '
+            f'eviction_threshold ({eviction_threshold} bytes): what ops '
+            'allocate before recording starts is never evicted.',
+            'Give a smaller recording_threshold (half the eviction '
+            'threshold, say), or None to record from the first op.')
+    return recording
+
+
+class IdleOps:
+    """Runs and meters ops until recording starts; mixed into
+    ``EngineState``, whose ``__init__`` points ``on_op`` at
+    :meth:`_on_op_idle` while a ``recording_threshold`` is pending.
+
+    Reads and writes the state's ``recording_threshold``,
+    ``start_recording``, ``idle_ops``, ``clock``, ``transients``,
+    ``in_use`` and ``peak``.
+    """
+
+    def _on_op_idle(self, func, args, kwargs):
+        """An op before recording starts (R16): run as it is, as eager
+        runs it, with its new storages metered (as ``on_op`` meters them)
+        and none recorded: like storages from before the scope, they are
+        never evicted. Once memory in use passes ``recording_threshold``,
+        and ``start_recording()`` (if set) agrees, the ops that follow are
+        recorded."""
+        info = op_info(func)
+        writes = info.written_args or info.side_effect_args
+        out = self._run(func, args, kwargs, unlocked=not writes)
+        self.clock += 1
+        self.idle_ops += 1
+        if info.written_args:  # resize_, out= into a smaller tensor (R11)
+            for w in tensors_in(
+                    get_arg(info, args, kwargs, i) for i in info.written_args):
+                self._recount_unrecorded(w)
+        self._register_outputs(out, args, kwargs, info, count_only=True)
+        memory = self.memory_after_op()
+        if memory is not None and memory > self.recording_threshold and (
+                self.start_recording is None or self.start_recording()):
+            del self.on_op  # the class's: every later op recorded (R16)
+        return out
+
+    def count_unrecorded(self, storage, cdata):
+        """Count a new storage that gets no record (an op run before
+        recording starts) until it is freed."""
+        if self.device is None and storage.nbytes():  # as _register (R11)
+            self._meter_device(storage.device)
+        self._count_transient(storage, cdata)
+
+    def _recount_unrecorded(self, t):
+        """Count again the storage of ``t``, written by an op run before
+        recording started, if it is one counted without a record and the
+        write resized it (``resize_``, ``out=``), as ``Writes._resized``
+        does for a record."""
+        if type(t) not in _PLAIN:  # a wrapper subclass has no storage
+            return
+        storage = t.untyped_storage()
+        ref = self.transients.get(storage._cdata)
+        if ref is None:
+            return
+        nbytes = storage.nbytes()
+        if nbytes != ref.nbytes:
+            if self.device is None and nbytes:  # as _register (R11)
+                self._meter_device(storage.device)
+            self.in_use += nbytes - ref.nbytes
+            ref.nbytes = nbytes
+            if self.in_use > self.peak and not self.cuda:
+                self.peak = self.in_use
+
+
+class DeferredHooks:
+    """The engine's ``saved_tensors_hooks`` context, entered at once or
+    when recording starts (R16).
+
+    Deferred only with a recording threshold and where PyTorch tells
+    whether another hooks context is active (2.8 and later). They are then
+    pushed at the first op past the threshold that runs outside backward
+    (autograd puts the hooks back as they were after each node, R12), with
+    saved-tensor hooks enabled and no other context on the stack: pushed
+    above one, they would be popped by its exit. Until then recording
+    waits, op by op.
+
+    Args:
+        hooks (saved_tensors_hooks): The engine's context, not entered.
+        defer (bool): Whether to wait for recording to start.
+    """
+
+    def __init__(self, hooks, defer: bool):
+        self.hooks, self.entered = hooks, False
+        self.deferred = defer and can_read_saved_tensor_hooks()
+
+    def enter(self):
+        """Push the hooks now, unless they wait for recording."""
+        if not self.deferred:
+            self._enter()
+
+    def _enter(self):
+        self.hooks.__enter__()
+        self.entered = True
+
+    def enter_if_clear(self) -> bool:
+        """Push the hooks if nothing stands in the way; whether they are
+        on (recording may start)."""
+        if self.entered:
+            return True
+        if graph_task_id() != -1 or \
+                not _autograd._saved_tensors_hooks_is_enabled() or \
+                _autograd._top_saved_tensors_default_hooks(False) is not None:
+            return False
+        self._enter()
+        return True
+
+    def exit(self, exc_type=None, exc=None, tb=None):
+        """Pop the hooks if they were pushed."""
+        if self.entered:
+            self.entered = False
+            self.hooks.__exit__(exc_type, exc, tb)
