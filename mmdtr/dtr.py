@@ -119,7 +119,7 @@ _SWITCHES = {
     'enable_sqrt_sampling': _check_bool,
 }
 _DEFAULTS = {name: globals()[name] for name in _SWITCHES}
-_ENGINE_ONLY = ('policy', 'device')  # DTR() arguments, no switches
+_ENGINE_ONLY = ('policy', 'device', 'recording_threshold')  # DTR() only
 
 
 class _DTRModule(types.ModuleType):

@@ -148,6 +148,7 @@ def test_exit_without_enter_raises_a_clear_error():
     ('eviction_treshold', "closest match: 'eviction_threshold'"),
     ('enable_sqrt_sample', "closest match: 'enable_sqrt_sampling'"),
     ('policy', 'argument of the scoped engine'),
+    ('recording_threshold', 'argument of the scoped engine'),
 ])
 def test_unknown_module_switches_are_refused(name, close):
     with pytest.raises(MmdtrError, match=f'mmdtr.dtr.{name} is not') as e:
