@@ -290,3 +290,34 @@ def test_hooks_from_the_start_where_they_cannot_wait(monkeypatch):
         h.mul_(2)  # eager refuses the backward: so must the engine
         with pytest.raises(RuntimeError, match='modified by an inplace'):
             h.sum().backward()
+
+
+@needs_hooks_reader
+def test_recording_waits_while_saved_tensor_hooks_are_disabled():
+    x = torch.randn(128, 128, requires_grad=True)
+    size = 128 * 128 * 4
+
+    def step(engine=None):
+        h = x
+        with torch.autograd.graph.disable_saved_tensors_hooks('no hooks'):
+            for _ in range(8):
+                h = (h * 1.0001).tanh()  # pushing hooks here would raise
+            if engine is not None:
+                assert engine.stats.idle_ops == engine.stats.ops
+                assert _hooks_in_force() is None
+        loss, _ = _chain(h, 8)
+        if engine is not None:
+            assert _hooks_in_force() is not None  # pushed after it
+        loss.backward()
+        return loss
+
+    expected = step()
+    grad, x.grad = x.grad, None
+    with DTR(
+            eviction_threshold=10 * size,
+            evictee_minimum_size=1,
+            recording_threshold=2 * size) as engine:
+        got = step(engine)
+    assert torch.equal(got, expected) and torch.equal(x.grad, grad)
+    assert 0 < engine.stats.idle_ops < engine.stats.ops
+    assert engine.stats.evictions > 0
