@@ -20,6 +20,7 @@ it per rank; see docs/dtr_training.md.
 """
 import difflib
 import logging
+from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,8 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-from mmdtr.core.recording_threshold import next_recording_threshold
+from mmdtr.core.recording_threshold import (AUTO_WINDOW,
+                                            next_recording_threshold)
 from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
@@ -129,7 +131,7 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
         if 'recording_threshold' in e.message:
             e = MmdtrError(
                 e.message, f"{e.hint} Or '{AUTO}' (the default): chosen "
-                'per iteration.')
+                'per iteration; or None: record from the first op.')
         raise MmdtrError(
             f'{key}={settings!r} is not accepted: {e.message}',
             hint=e.hint) from None
@@ -182,6 +184,8 @@ class DTRTrainStep:
         self.message_hub = message_hub
         #: DTRStats of the latest iteration that ended without an error
         self.stats: Optional[DTRStats] = None
+        #: those of the latest AUTO_WINDOW such iterations ('auto', R16)
+        self.history = deque(maxlen=AUTO_WINDOW)
         #: whether a threshold not held was logged (once per run)
         self.warned = False
         #: False once detached (DTRHook.after_train): a reference left
@@ -217,6 +221,7 @@ class DTRTrainStep:
             result = self._close_after_backward(engine, train_step, data,
                                                 optim_wrapper)
         self.stats = engine.stats
+        self.history.append(self.stats)
         self._publish(self.stats)
         if self.stats.eviction_failures and not self.warned and \
                 self.stats.threshold is not None:
@@ -226,12 +231,12 @@ class DTRTrainStep:
 
     def _engine_settings(self) -> dict:
         """The settings of this iteration's engine: ``'auto'`` resolved
-        from the last iteration's statistics (R16)."""
+        from the recent iterations' statistics (R16)."""
         if self.settings.get('recording_threshold', AUTO) != AUTO:
             return self.settings
         return dict(
             self.settings,
-            recording_threshold=next_recording_threshold(self.stats))
+            recording_threshold=next_recording_threshold(self.history))
 
     @staticmethod
     def _close_after_backward(engine, train_step, data, optim_wrapper):

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from typing import Optional
 
 import torch
@@ -36,7 +37,8 @@ import torch
 # so that the fork server of the launcher has it for every run.
 import torch._dynamo  # noqa: F401
 
-from mmdtr.core.recording_threshold import next_recording_threshold
+from mmdtr.core.recording_threshold import (AUTO_WINDOW,
+                                            next_recording_threshold)
 from mmdtr.dtr import DTR
 from mmdtr.utils.profiler_memory import measure_memory
 from .workloads import (NO_EVICTION, DispatchFloor, Workload, apply_technique,
@@ -88,7 +90,7 @@ def make_spec(config: str,
         sqrt_sampling (bool): DTR scores about sqrt(N) sampled eviction
             candidates. Defaults to False.
         recording (str): ``'auto'``: each DTR step's
-            ``recording_threshold`` follows from the last step's
+            ``recording_threshold`` follows from the recent steps'
             statistics, as ``DTRHook`` chooses it by default
             (design.md R16); ``'always'``: every op recorded. Defaults to
             ``'auto'``.
@@ -160,7 +162,7 @@ def _measure(spec: dict, result: dict) -> None:
                                         spec['blocks'])
 
     auto = spec.get('recording', 'auto') == 'auto'
-    last = []  # the statistics of the latest DTR step (R16)
+    history = deque(maxlen=AUTO_WINDOW)  # of the DTR steps (R16)
 
     def engine():
         if spec['technique'] == 'dispatch_floor':
@@ -173,13 +175,13 @@ def _measure(spec: dict, result: dict) -> None:
             enable_sqrt_sampling=spec['sqrt_sampling'],
             policy=spec['policy'],
             device=device,
-            recording_threshold=next_recording_threshold(last[-1])
-            if auto and last else None)
+            recording_threshold=next_recording_threshold(history)
+            if auto else None)
 
     def step(eng):
         loss = work.step(eng)
         if isinstance(eng, DTR):
-            last[:] = [eng.stats]
+            history.append(eng.stats)
         return loss
 
     for _ in range(spec['warmup']):

@@ -100,6 +100,23 @@ class Accounting:
         self.records[cdata] = rec
         return rec
 
+    def recount_transient(self, storage):
+        """Count ``storage`` again if it is counted without a record (made
+        before recording started, R16, or by a replay) and a write resized
+        it (``resize_``, ``out=``), as ``Writes._resized`` does for a
+        record."""
+        ref = self.transients.get(storage._cdata)
+        if ref is None:
+            return
+        nbytes = storage.nbytes()
+        if nbytes != ref.nbytes:
+            if self.device is None and nbytes:  # as _register (R11)
+                self._meter_device(storage.device)
+            self.in_use += nbytes - ref.nbytes
+            ref.nbytes = nbytes
+            if self.in_use > self.peak and not self.cuda:
+                self.peak = self.in_use
+
     def _count(self, storage, cdata, nbytes, on_free):
         """Add ``storage`` to memory in use until ``on_free`` sees it go."""
         wref = StorageRef(storage, on_free)

@@ -1,42 +1,53 @@
 """When a training loop's next engine starts recording (R16).
 
-A training loop runs one engine per step. While a step stays well below the
-eviction threshold, recording its ops buys nothing: nothing is evicted. The
-rule below lets the next step run its ops as they are, metered, until
-memory in use passes half the threshold; a step that grows past that point
-records from there on, so what it allocates later can still be evicted. Any
-eviction, or a peak above that point, and the next step records from its
-first op again.
+A training loop runs one engine per step. While steps stay below the
+eviction threshold, recording their ops buys nothing: nothing is evicted.
+The rule below lets the next step run its ops as they are, metered, until
+memory in use passes the highest peak of the recent steps, and no further
+than half the threshold: a step like them records nothing, and one that
+grows past that point records from there on, so what it makes later can
+still be evicted. A step that evicted, or failed to, in the recent window
+makes the next steps record from their first op: inputs whose memory
+varies (multi-scale training) then pay for recording, not for a threshold
+they cannot hold.
 """
-from typing import Optional
+from typing import Optional, Sequence
 
-#: The next step records from this fraction of the eviction threshold on,
-#: when the last step stayed below it and evicted nothing.
+#: The next step records from at most this fraction of the threshold on.
 AUTO_FRACTION = 0.5
+#: Steps looked back on: one that evicted among them means recording.
+AUTO_WINDOW = 8
 
 
-def next_recording_threshold(stats) -> Optional[int]:
+def next_recording_threshold(history: Sequence) -> Optional[int]:
     """The ``recording_threshold`` for the next step of a training loop.
 
     Args:
-        stats (DTRStats | None): The statistics of the last step that
-            completed (``None``: none yet).
+        history (Sequence[DTRStats]): The statistics of the last steps that
+            completed, oldest first; only the last :data:`AUTO_WINDOW`
+            are read.
 
     Returns:
-        int | None: ``AUTO_FRACTION`` of the last step's eviction threshold
-        if that step evicted nothing, failed no eviction and peaked at or
-        below that point; ``None`` (record from the first op) otherwise,
-        and always without a threshold (evicting on allocation failure,
-        CUDA).
+        int | None: The highest peak among those steps, capped at
+        :data:`AUTO_FRACTION` of the last step's eviction threshold, if
+        none of them evicted or failed to evict; ``None`` (record from the
+        first op) otherwise, with no step yet, and always without a
+        threshold (evicting on allocation failure, CUDA).
 
     Examples:
-        >>> engine = DTR(eviction_threshold='4GB',
-        ...              recording_threshold=next_recording_threshold(
-        ...                  last_stats))
+        >>> history = collections.deque(maxlen=AUTO_WINDOW)
+        >>> with DTR(eviction_threshold='4GB',
+        ...          recording_threshold=next_recording_threshold(
+        ...              history)) as engine:
+        ...     train_step()
+        >>> history.append(engine.stats)
     """
-    if stats is None or stats.threshold is None:
+    recent = list(history)[-AUTO_WINDOW:]
+    if not recent or recent[-1].threshold is None:
         return None
-    if stats.evictions or stats.eviction_failures:
+    if any(s.evictions or s.eviction_failures for s in recent):
         return None
-    point = int(stats.threshold * AUTO_FRACTION)
-    return point if 0 < point and stats.peak_memory <= point else None
+    point = min(
+        max(s.peak_memory for s in recent),
+        int(recent[-1].threshold * AUTO_FRACTION))
+    return point if point > 0 else None

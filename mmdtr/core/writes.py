@@ -207,7 +207,8 @@ class Writes:
                 shared.version += 1
                 self._cap_hi(shared)
         rec = self.records.get(storage._cdata)
-        if rec is None:
+        if rec is None:  # one counted without a record may have grown
+            self.recount_transient(storage)  # (R11, R16; found by a review)
             return
         if storage.nbytes() != rec.nbytes:
             # resized in place (resize_, out= into a smaller tensor): the
