@@ -390,3 +390,26 @@ def test_a_threshold_not_held_while_recording_waits_is_reported():
     stats = engine.stats
     assert stats.idle_ops == stats.ops and stats.evictions == 0
     assert stats.eviction_failures > 0 and stats.peak_memory > 4 * size
+
+
+def test_on_cuda_recording_starts_between_counter_reads():
+    """Far below the eviction threshold the CUDA counter is read every
+    READ_EVERY_OPS ops (R11); the switch reads the estimate between reads,
+    as on CPU (an engine of CPU ops metered as on CUDA)."""
+    from .test_cuda_meter import _metered_as_cuda
+    x = torch.randn(128, 128, requires_grad=True)
+    size = 128 * 128 * 4
+    with DTR(eviction_threshold=2**40, recording_threshold=3 * size) as e:
+        meter = _metered_as_cuda(e)
+        h, switched = x, None
+        for i in range(12):
+            h = (h * 1.0001).tanh()
+            state = e._state  # not e.stats: a read of it reads the meter
+            if switched is None and state.idle_ops < state.clock:
+                switched = i
+        h.sum().backward()
+    # a step keeps its 64 KB tanh output; with the product alive while
+    # tanh runs, step 2 passes 3 of them, and step 3 records (on the
+    # counter alone, at its next read: step 6)
+    assert switched is not None and switched <= 3
+    assert len(meter.clocks) < e.stats.ops
