@@ -240,12 +240,13 @@ class DTRHook(Hook):
             :func:`mmdtr.dtr.register_policy`; ``None`` means ``'dtr'``.
             Defaults to ``'dtr'``.
         recording_threshold (int | str | None): ``'auto'`` (default):
-            if none of the last 8 iterations evicted or failed to, an
-            iteration runs its ops as they are, metered, until memory in
-            use passes their highest peak (at most half the threshold),
-            and records from there on; else it records from the first op
-            (design.md R16). A size: record once memory in use passes it.
-            ``None``: always from the first op.
+            after iterations none of which evicted or failed to (up to the
+            last 8), an iteration runs its ops as they are, metered, until
+            memory in use passes their highest peak (at most half the
+            threshold), and records from there on; the first iteration,
+            those after an eviction, and all without a threshold (CUDA)
+            record from the first op (design.md R16). A size: record once
+            memory in use passes it. ``None``: always from the first op.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:

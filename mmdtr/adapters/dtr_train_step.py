@@ -20,7 +20,6 @@ it per rank; see docs/dtr_training.md.
 """
 import difflib
 import logging
-from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -28,8 +27,7 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-from mmdtr.core.recording_threshold import (AUTO_WINDOW,
-                                            next_recording_threshold)
+from mmdtr.core.recording_threshold import RecentSteps
 from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
@@ -131,7 +129,8 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
         if 'recording_threshold' in e.message:
             e = MmdtrError(
                 e.message, f"{e.hint} Or '{AUTO}' (the default): chosen "
-                'per iteration; or None: record from the first op.')
+                'per iteration' + ('.' if 'None' in e.hint else
+                                   '; or None: record from the first op.'))
         raise MmdtrError(
             f'{key}={settings!r} is not accepted: {e.message}',
             hint=e.hint) from None
@@ -157,7 +156,11 @@ class DTRTrainStep:
     the iteration are :attr:`stats` and go to the ``MessageHub`` as the
     scalars in :data:`SCALARS` (``train/dtr_peak_memory_mb``,
     ``train/dtr_evictions``, ``train/dtr_recomputations``,
-    ``train/dtr_remat_seconds``, ``train/dtr_eviction_failures``).
+    ``train/dtr_remat_seconds``, ``train/dtr_eviction_failures``,
+    ``train/dtr_idle_ops``). A ``recording_threshold`` of ``'auto'`` (the
+    default) is resolved at each call from the statistics of the recent
+    iterations (:class:`~mmdtr.core.recording_threshold.RecentSteps`,
+    design.md R16).
 
     Args:
         settings (dict): See :func:`dtr_settings`.
@@ -184,8 +187,8 @@ class DTRTrainStep:
         self.message_hub = message_hub
         #: DTRStats of the latest iteration that ended without an error
         self.stats: Optional[DTRStats] = None
-        #: those of the latest AUTO_WINDOW such iterations ('auto', R16)
-        self.history = deque(maxlen=AUTO_WINDOW)
+        #: those of the recent such iterations ('auto', R16)
+        self.recent = RecentSteps()
         #: whether a threshold not held was logged (once per run)
         self.warned = False
         #: False once detached (DTRHook.after_train): a reference left
@@ -221,7 +224,7 @@ class DTRTrainStep:
             result = self._close_after_backward(engine, train_step, data,
                                                 optim_wrapper)
         self.stats = engine.stats
-        self.history.append(self.stats)
+        self.recent.add(self.stats)
         self._publish(self.stats)
         if self.stats.eviction_failures and not self.warned and \
                 self.stats.threshold is not None:
@@ -235,8 +238,7 @@ class DTRTrainStep:
         if self.settings.get('recording_threshold', AUTO) != AUTO:
             return self.settings
         return dict(
-            self.settings,
-            recording_threshold=next_recording_threshold(self.history))
+            self.settings, recording_threshold=self.recent.next_threshold())
 
     @staticmethod
     def _close_after_backward(engine, train_step, data, optim_wrapper):

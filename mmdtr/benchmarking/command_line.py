@@ -124,10 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         '--recording',
         default='auto',
         choices=('auto', 'always'),
-        help="DTR's recording_threshold: 'auto' as DTRHook's default (a "
-        'step that fit under half the threshold lets the next run its ops '
-        "unrecorded until memory passes that point), 'always': every op "
-        'recorded (default auto)')
+        help="DTR's recording_threshold: 'auto' as DTRHook's default "
+        '(after steps that evicted nothing, the next runs its ops '
+        'unrecorded until memory passes their highest peak, at most half '
+        "the threshold), 'always': every op recorded, as "
+        'recording_threshold=None (default auto)')
     batch = parser.add_argument_group('largest batch')
     batch.add_argument(
         '--capacity',

@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections import deque
 from typing import Optional
 
 import torch
@@ -37,8 +36,7 @@ import torch
 # so that the fork server of the launcher has it for every run.
 import torch._dynamo  # noqa: F401
 
-from mmdtr.core.recording_threshold import (AUTO_WINDOW,
-                                            next_recording_threshold)
+from mmdtr.core.recording_threshold import RecentSteps
 from mmdtr.dtr import DTR
 from mmdtr.utils.profiler_memory import measure_memory
 from .workloads import (NO_EVICTION, DispatchFloor, Workload, apply_technique,
@@ -162,7 +160,7 @@ def _measure(spec: dict, result: dict) -> None:
                                         spec['blocks'])
 
     auto = spec.get('recording', 'auto') == 'auto'
-    history = deque(maxlen=AUTO_WINDOW)  # of the DTR steps (R16)
+    recent = RecentSteps()  # of the DTR steps (R16)
 
     def engine():
         if spec['technique'] == 'dispatch_floor':
@@ -175,13 +173,12 @@ def _measure(spec: dict, result: dict) -> None:
             enable_sqrt_sampling=spec['sqrt_sampling'],
             policy=spec['policy'],
             device=device,
-            recording_threshold=next_recording_threshold(history)
-            if auto else None)
+            recording_threshold=recent.next_threshold() if auto else None)
 
     def step(eng):
         loss = work.step(eng)
         if isinstance(eng, DTR):
-            history.append(eng.stats)
+            recent.add(eng.stats)
         return loss
 
     for _ in range(spec['warmup']):

@@ -87,8 +87,7 @@ class Accounting:
 
     def _register(self, storage, cdata, rec=None):
         nbytes = storage.nbytes()
-        if self.device is None and nbytes:  # the first storage decides (R11)
-            self._meter_device(storage.device)
+        self.meter_first(nbytes, storage.device)
         if self.transients:
             transient = self.transients.pop(cdata, None)
             if transient is not None:  # a replay output adopted: counted
@@ -103,19 +102,36 @@ class Accounting:
     def recount_transient(self, storage):
         """Count ``storage`` again if it is counted without a record (made
         before recording started, R16, or by a replay) and a write resized
-        it (``resize_``, ``out=``), as ``Writes._resized`` does for a
-        record."""
+        it (``resize_``, ``out=``).
+
+        Args:
+            storage (UntypedStorage): The storage written.
+        """
         ref = self.transients.get(storage._cdata)
-        if ref is None:
-            return
-        nbytes = storage.nbytes()
-        if nbytes != ref.nbytes:
-            if self.device is None and nbytes:  # as _register (R11)
-                self._meter_device(storage.device)
-            self.in_use += nbytes - ref.nbytes
-            ref.nbytes = nbytes
-            if self.in_use > self.peak and not self.cuda:
-                self.peak = self.in_use
+        if ref is not None and storage.nbytes() != ref.nbytes:
+            self.resized(ref, storage.nbytes(), storage.device)
+
+    def resized(self, counted, nbytes, device):
+        """Count ``counted`` (a record, or the reference of a storage
+        counted without one) at its new size (R11).
+
+        Args:
+            counted (StorageRecord | StorageRef): What was counted, with
+                its ``nbytes``.
+            nbytes (int): Its size now.
+            device (torch.device): Its device.
+        """
+        self.meter_first(nbytes, device)
+        self.in_use += nbytes - counted.nbytes
+        counted.nbytes = nbytes
+        if self.in_use > self.peak and not self.cuda:
+            self.peak = self.in_use
+
+    def meter_first(self, nbytes, device):
+        """Meter ``device`` if no device is metered yet and this storage of
+        ``nbytes`` is not empty: the first storage decides (R11)."""
+        if self.device is None and nbytes:
+            self._meter_device(device)
 
     def _count(self, storage, cdata, nbytes, on_free):
         """Add ``storage`` to memory in use until ``on_free`` sees it go."""

@@ -179,7 +179,7 @@ class DTR:
                 _locked(state.lock, state.unpack)),
             defer=state.recording_threshold is not None)
         if hooks.deferred:  # pushed when recording starts (R16)
-            state.start_recording = hooks.enter_if_clear
+            state.ready_to_record = hooks.enter_if_clear
         mode.__enter__()
         try:
             hooks.enter()

@@ -19,12 +19,11 @@ import weakref
 import torch
 
 from .accounting import Accounting
-from .arguments import SPARSE_LAYOUTS, argument_storages, tensors_in
+from .arguments import SPARSE_LAYOUTS, argument_storages
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .idle_ops import IdleOps
-from .op_semantics import (batch_norm_in_training, get_arg, op_info,
-                           same_bits_on_replay)
+from .op_semantics import op_info, same_bits_on_replay
 from .policies import keeps_evicted_classes
 from .recipes import AllocNode, Recipes
 from .records import _PLAIN, WeakList, managed
@@ -168,7 +167,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         self.recording_threshold = recording_threshold
         self.idle_ops = 0  # ops run before recording started (R16)
         # asked before recording starts: False to wait (the façade's hooks)
-        self.start_recording = None
+        self.ready_to_record = None
         if recording_threshold:
             self.on_op = self._on_op_idle  # until memory passes it (R16)
 
@@ -283,27 +282,6 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         for w in writes:
             self._after_write(w, None, info)
         return out
-
-    @staticmethod
-    def _writes(info, args, kwargs):
-        """Tensors the call writes: declared ones first, then side effects
-        (batch norm's running statistics in training mode, R6; the lists of
-        foreach and fused optimizer steps, R7). Lists are flattened. The
-        parts of a sparse tensor written come last, as side effects: its
-        values may be a recorded tensor's storage (``sparse_coo_tensor(i,
-        h)`` shares ``h``), which ``div_`` writes (found by an adversarial
-        search)."""
-        parts = []
-        writes = tensors_in(
-            (get_arg(info, args, kwargs, i) for i in info.written_args), parts)
-        n_declared, scratch = len(writes), ()
-        if info.side_effect_args and (info.batch_norm_training_arg is None
-                                      or batch_norm_in_training(
-                                          info, args, kwargs)):
-            scratch = info.side_effect_args
-            writes += tensors_in(
-                (get_arg(info, args, kwargs, i) for i in scratch), parts)
-        return writes + parts, n_declared, scratch
 
     def _register_outputs(self, out, args, kwargs, info, count_only=False):
         """Register the storages the call allocated; return them (R11).

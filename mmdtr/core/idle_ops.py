@@ -19,17 +19,29 @@ from .op_semantics import get_arg, op_info
 from .records import _PLAIN
 from .saved_tensors import graph_task_id
 from .sizes import parse_size
-from .torch_compat import can_read_saved_tensor_hooks
+from .torch_compat import can_read_saved_tensor_hooks, outer_saved_tensor_hooks
 from .writes import bump_like_eager, versions_before
 
 _autograd = torch._C._autograd
 
 
 def check_recording_threshold(value, eviction_threshold) -> Optional[int]:
-    """``recording_threshold`` in bytes (``None`` for none), below the
-    eviction threshold: what runs before recording starts is never
-    evicted, so at or above it nothing recorded could bring memory back
-    under the threshold (R16)."""
+    """Check a ``recording_threshold`` against the eviction threshold: what
+    runs before recording starts is never evicted, so at or above it
+    nothing recorded could bring memory back under the threshold (R16).
+
+    Args:
+        value (int | str | None): As given to ``DTR``.
+        eviction_threshold (int | None): The eviction threshold in bytes.
+
+    Returns:
+        int | None: The recording threshold in bytes; ``None`` for none
+        (``None`` or 0: record from the first op).
+
+    Raises:
+        MmdtrError: If ``value`` is not a size, or not below the eviction
+            threshold.
+    """
     recording = parse_size(value, 'recording_threshold', allow_none=True)
     if not recording:
         return None
@@ -49,7 +61,7 @@ class IdleOps:
     :meth:`_on_op_idle` while a ``recording_threshold`` is pending.
 
     Reads and writes the state's ``recording_threshold``,
-    ``start_recording``, ``idle_ops``, ``clock``, ``transients``,
+    ``ready_to_record``, ``idle_ops``, ``clock``, ``transients``,
     ``limit``, ``threshold``, ``in_use`` and ``cuda_offset``.
     """
 
@@ -58,7 +70,7 @@ class IdleOps:
         runs it, with its new storages metered (as ``on_op`` meters them)
         and none recorded: like storages from before the scope, they are
         never evicted. Once memory in use passes ``recording_threshold``,
-        and ``start_recording()`` (if set) agrees, the ops that follow are
+        and ``ready_to_record()`` (if set) agrees, the ops that follow are
         recorded."""
         info = op_info(func)
         writes = info.written_args or info.side_effect_args
@@ -92,16 +104,20 @@ class IdleOps:
             self.evict_until()
         elif self.limit != self.threshold:
             self.lower_limit(memory)
-        if memory > self.recording_threshold and (self.start_recording is None
-                                                  or self.start_recording()):
+        if memory > self.recording_threshold and (self.ready_to_record is None
+                                                  or self.ready_to_record()):
             del self.on_op  # the class's: every later op recorded (R16)
         return out
 
     def count_unrecorded(self, storage, cdata):
         """Count a new storage that gets no record (an op run before
-        recording starts) until it is freed."""
-        if self.device is None and storage.nbytes():  # as _register (R11)
-            self._meter_device(storage.device)
+        recording starts) until it is freed.
+
+        Args:
+            storage (UntypedStorage): The storage.
+            cdata (int): Its StorageImpl pointer.
+        """
+        self.meter_first(storage.nbytes(), storage.device)
         self._count_transient(storage, cdata)
 
 
@@ -142,7 +158,7 @@ class DeferredHooks:
             return True
         if graph_task_id() != -1 or \
                 not _autograd._saved_tensors_hooks_is_enabled() or \
-                _autograd._top_saved_tensors_default_hooks(False) is not None:
+                outer_saved_tensor_hooks() is not None:
             return False
         self._enter()
         return True

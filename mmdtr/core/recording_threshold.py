@@ -11,6 +11,7 @@ makes the next steps record from their first op: inputs whose memory
 varies (multi-scale training) then pay for recording, not for a threshold
 they cannot hold.
 """
+from collections import deque
 from typing import Optional, Sequence
 
 #: The next step records from at most this fraction of the threshold on.
@@ -35,12 +36,7 @@ def next_recording_threshold(history: Sequence) -> Optional[int]:
         threshold (evicting on allocation failure, CUDA).
 
     Examples:
-        >>> history = collections.deque(maxlen=AUTO_WINDOW)
-        >>> with DTR(eviction_threshold='4GB',
-        ...          recording_threshold=next_recording_threshold(
-        ...              history)) as engine:
-        ...     train_step()
-        >>> history.append(engine.stats)
+        >>> next_recording_threshold([last_step_stats])  # or RecentSteps
     """
     recent = list(history)[-AUTO_WINDOW:]
     if not recent or recent[-1].threshold is None:
@@ -51,3 +47,32 @@ def next_recording_threshold(history: Sequence) -> Optional[int]:
         max(s.peak_memory for s in recent),
         int(recent[-1].threshold * AUTO_FRACTION))
     return point if point > 0 else None
+
+
+class RecentSteps:
+    """The statistics of a training loop's last :data:`AUTO_WINDOW` steps,
+    and the recording threshold they give the next (``'auto'``).
+
+    Examples:
+        >>> steps = RecentSteps()
+        >>> for batch in loader:
+        ...     with DTR(eviction_threshold='4GB',
+        ...              recording_threshold=steps.next_threshold()) as e:
+        ...         train_step(batch)
+        ...     steps.add(e.stats)
+    """
+
+    def __init__(self):
+        self.stats = deque(maxlen=AUTO_WINDOW)
+
+    def add(self, stats) -> None:
+        """Add the statistics of a step that completed.
+
+        Args:
+            stats (DTRStats): The step's engine's statistics.
+        """
+        self.stats.append(stats)
+
+    def next_threshold(self) -> Optional[int]:
+        """:func:`next_recording_threshold` of the steps added."""
+        return next_recording_threshold(self.stats)

@@ -8,8 +8,9 @@ from collections import deque
 
 import torch
 
+from .arguments import tensors_in
 from .cost_model import tensor_bytes
-from .op_semantics import get_arg
+from .op_semantics import batch_norm_in_training, get_arg
 from .recipes import AllocNode, HeldRef, SelfRef
 
 #: The mutation log of a storage made before the latest backward stops
@@ -77,6 +78,27 @@ class Writes:
     Uses the state's ``records``, ``external_users``, ``materialize`` and
     ``_drop_candidate``.
     """
+
+    @staticmethod
+    def _writes(info, args, kwargs):
+        """Tensors the call writes: declared ones first, then side effects
+        (batch norm's running statistics in training mode, R6; the lists of
+        foreach and fused optimizer steps, R7). Lists are flattened. The
+        parts of a sparse tensor written come last, as side effects: its
+        values may be a recorded tensor's storage (``sparse_coo_tensor(i,
+        h)`` shares ``h``), which ``div_`` writes (found by an adversarial
+        search)."""
+        parts = []
+        writes = tensors_in(
+            (get_arg(info, args, kwargs, i) for i in info.written_args), parts)
+        n_declared, scratch = len(writes), ()
+        if info.side_effect_args and (info.batch_norm_training_arg is None
+                                      or batch_norm_in_training(
+                                          info, args, kwargs)):
+            scratch = info.side_effect_args
+            writes += tensors_in(
+                (get_arg(info, args, kwargs, i) for i in scratch), parts)
+        return writes + parts, n_declared, scratch
 
     def _before_write(self, t):
         storage = t.untyped_storage()
@@ -213,7 +235,7 @@ class Writes:
         if storage.nbytes() != rec.nbytes:
             # resized in place (resize_, out= into a smaller tensor): the
             # meter follows (R11); no recipe rebuilds the new size (R5)
-            self._resized(rec, storage.nbytes())
+            self.resized(rec, storage.nbytes(), rec.device)
             node = None
         elif node is not None and (rec.lo is None or rec.recomputable(
                 rec.version)) and _holds_younger_storage(node, rec.born):
@@ -256,14 +278,6 @@ class Writes:
         same: exact, at a cost in memory.)"""
         for t in written:
             self._after_write(t, None, info)
-
-    def _resized(self, rec, nbytes):
-        if self.device is None and nbytes:
-            self._meter_device(rec.device)
-        self.in_use += nbytes - rec.nbytes
-        rec.nbytes = nbytes
-        if self.in_use > self.peak and not self.cuda:
-            self.peak = self.in_use
 
     def _run_set(self, func, args, kwargs, info):
         """Run ``t.set_(...)``, which points ``t`` at another storage.
