@@ -64,14 +64,16 @@ def run(program, seed, w0, engine=None):
     return loss.detach(), w.grad, x.grad
 
 
+#: random programs of OPS (tests/test_core/test_recording_threshold.py too)
+PROGRAMS = st.lists(
+    st.tuples(st.sampled_from(OPS), st.integers(0, 1000)),
+    min_size=3,
+    max_size=25)
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
-    program=st.lists(
-        st.tuples(st.sampled_from(OPS), st.integers(0, 1000)),
-        min_size=3,
-        max_size=25),
-    seed=st.integers(0, 2**16),
-    sqrt_sampling=st.booleans())
+    program=PROGRAMS, seed=st.integers(0, 2**16), sqrt_sampling=st.booleans())
 def test_random_graphs_are_bit_identical(program, seed, sqrt_sampling):
     w0 = torch.randn(32, 32) * 0.2
     expected = run(program, seed, w0)

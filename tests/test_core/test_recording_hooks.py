@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmdtr.dtr import DTR
-from .test_recording_threshold import _chain
+from .test_recording_threshold import _chain, eager_chain
 
 
 def _hooks_in_force():
@@ -108,9 +108,7 @@ def test_hooks_from_the_start_where_they_cannot_wait(monkeypatch):
     from mmdtr.core import idle_ops
     monkeypatch.setattr(idle_ops, 'can_read_saved_tensor_hooks', lambda: False)
     x = torch.randn(128, 128, requires_grad=True)
-    expected, _ = _chain(x, 24)
-    expected.backward()
-    grad, x.grad = x.grad, None
+    expected, grad = eager_chain(x, 24)
     size = 128 * 128 * 4
     with DTR(
             eviction_threshold=12 * size,

@@ -16,7 +16,7 @@ from mmdtr.errors import MmdtrError
 from mmdtr.utils.profiler_memory import measure_peak_memory
 from .test_equivalence import ZOO
 from .test_meter import _model
-from .test_random_graphs import OPS, run
+from .test_random_graphs import PROGRAMS, run
 
 # (eviction threshold, recording threshold), as fractions of the peak
 PAIRS = ((0.9, 0.5), (0.5, 0.25), (0.3, 0.1))
@@ -39,10 +39,7 @@ def test_zoo_is_bit_identical_wherever_recording_starts(name, oracle):
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
-    program=st.lists(
-        st.tuples(st.sampled_from(OPS), st.integers(0, 1000)),
-        min_size=3,
-        max_size=25),
+    program=PROGRAMS,
     seed=st.integers(0, 2**16),
     record_at=st.integers(1, 200_000))
 def test_random_graphs_are_bit_identical_wherever_recording_starts(
@@ -71,11 +68,18 @@ def _chain(x, n):
     return h.sum(), made
 
 
+def eager_chain(x, n):
+    """The loss of ``_chain(x, n)`` without DTR, and ``x``'s gradient
+    (``x.grad`` is left unset)."""
+    loss, _ = _chain(x, n)
+    loss.backward()
+    grad, x.grad = x.grad, None
+    return loss, grad
+
+
 def test_what_runs_before_recording_starts_is_never_evicted():
     x = torch.randn(128, 128, requires_grad=True)
-    expected, _ = _chain(x, 24)
-    expected.backward()
-    grad, x.grad = x.grad, None
+    expected, grad = eager_chain(x, 24)
     size = 128 * 128 * 4
     with DTR(
             eviction_threshold=12 * size,
