@@ -320,9 +320,12 @@ class DTRHook(Hook):
             model.train_step = self._wrapper
             self._attached_to = model
             where = f'{type(model).__name__}.train_step (by DTRHook)'
+        # the recording threshold shown also where 'auto' is implicit (R16)
+        shown = dict(self.settings)
+        shown.setdefault('recording_threshold', AUTO)
         runner.logger.info(
             f'Enabling the "{KEY}" feature (mmdtr) on {device}: '
-            f'{self.settings}, in {where}; each training iteration runs '
+            f'{shown}, in {where}; each training iteration runs '
             'under DTR.')
         hint = expandable_segments_hint(device)
         if hint is not None:

@@ -263,7 +263,8 @@ def test_custom_hooks_route(tmp_path, make_cfg):
     device = model_device(runner.model)
     assert (f'Enabling the "dtr" feature (mmdtr) on {device}: '
             "{'eviction_threshold': '96KB', 'evictee_minimum_size': '4KB', "
-            "'enable_sqrt_sampling': False, 'policy': 'dtr'}, in "
+            "'enable_sqrt_sampling': False, 'policy': 'dtr', "
+            "'recording_threshold': 'auto'}, in "
             'DTRHookToyNet.train_step (by DTRHook)') in text
     assert 'dtr_evictions: ' in text
 
