@@ -244,12 +244,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         for w in writes[n_declared:]:  # never replayed: caps hi (R5)
             self._after_write(w, None, info)
         memory = self.memory_after_op()
-        if memory is None:  # not read: below the limit (R11)
-            return out
-        if self.limit is not None and memory > self.limit:
-            self.evict_until()
-        elif self.limit != self.threshold:
-            self.lower_limit(memory)
+        if memory is not None:  # else not read: below the limit (R11)
+            self.hold_limit(memory)
         return out
 
     def on_subclass_op(self, func, args, kwargs):

@@ -79,6 +79,15 @@ class Evictor:
                 self.limit = self.memory_in_use() + self._slack()
                 return
 
+    def hold_limit(self, memory):
+        """After an op, with ``memory`` in use (read): evict down to the
+        limit in force when above it, else let a raised limit follow
+        memory down (R11)."""
+        if self.limit is not None and memory > self.limit:
+            self.evict_until()
+        elif self.limit != self.threshold:
+            self.lower_limit(memory)
+
     def _slack(self) -> int:
         return max(self.threshold // 8, 1)
 

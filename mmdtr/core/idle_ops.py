@@ -20,7 +20,7 @@ from .records import _PLAIN
 from .saved_tensors import graph_task_id
 from .sizes import parse_size
 from .torch_compat import can_read_saved_tensor_hooks, outer_saved_tensor_hooks
-from .writes import bump_like_eager, versions_before
+from .writes import bump_like_eager, storage_set_made, versions_before
 
 _autograd = torch._C._autograd
 
@@ -88,22 +88,20 @@ class IdleOps:
                     get_arg(info, args, kwargs, i) for i in info.written_args):
                 if type(w) in _PLAIN:  # a wrapper subclass has no storage
                     self.recount_transient(w.untyped_storage())
-        if info.swaps_storage and len(args) + len(kwargs) == 1:
-            # set_(): a new, empty storage, metered as it grows (R11)
-            storage = get_arg(info, args, kwargs, 0).untyped_storage()
-            if storage._cdata not in self.transients:
-                self.count_unrecorded(storage, storage._cdata)
+        if info.swaps_storage:
+            storage = storage_set_made(info, args, kwargs)
+            if storage is not None and storage._cdata not in self.transients:
+                self.count_unrecorded(storage, storage._cdata)  # grows later
         self._register_outputs(out, args, kwargs, info, count_only=True)
         memory = self.memory_after_op()
         if memory is None:  # CUDA between reads, far below the limit: the
             memory = self.in_use + self.cuda_offset  # estimate (R11)
-        elif self.limit is not None and memory > self.limit:
-            # nothing is evictable yet: counted as a failure, the limit
-            # raised (R11), so a threshold not held is reported (found by
-            # a review: a scope whose hooks could not be pushed in time)
-            self.evict_until()
-        elif self.limit != self.threshold:
-            self.lower_limit(memory)
+        else:
+            # with nothing evictable yet, memory above the limit counts a
+            # failure and raises it (R11), so a threshold not held is
+            # reported (found by a review: a scope whose hooks could not
+            # be pushed in time)
+            self.hold_limit(memory)
         if memory > self.recording_threshold and (self.ready_to_record is None
                                                   or self.ready_to_record()):
             del self.on_op  # the class's: every later op recorded (R16)

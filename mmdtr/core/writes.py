@@ -48,6 +48,14 @@ def bump_like_eager(written, versions) -> None:
             torch.autograd.graph.increment_version(t)
 
 
+def storage_set_made(info, args, kwargs):
+    """The new, empty storage ``t.set_()`` (no source) pointed ``t`` at,
+    once it ran; ``None`` for ``set_`` from a source (R11)."""
+    if len(args) + len(kwargs) != 1:
+        return None
+    return get_arg(info, args, kwargs, 0).untyped_storage()
+
+
 def _frozen(rec) -> bool:
     """Whether ``rec`` is frozen or unrecomputable: it reads nothing again
     (R7)."""
@@ -293,8 +301,7 @@ class Writes:
         self._before_write(get_arg(info, args, kwargs, 0))
         out = self._run(func, args, kwargs)
         self.clock += 1
-        if len(args) + len(kwargs) == 1:  # set_(): a new storage
-            storage = get_arg(info, args, kwargs, 0).untyped_storage()
-            if storage._cdata not in self.records:
-                self._register(storage, storage._cdata)
+        storage = storage_set_made(info, args, kwargs)
+        if storage is not None and storage._cdata not in self.records:
+            self._register(storage, storage._cdata)
         return out
