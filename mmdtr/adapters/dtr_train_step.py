@@ -120,11 +120,8 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
             hint='a policy of your own is accepted by the name it was '
             'registered under (mmdtr.dtr.register_policy) in a module the '
             'config imports (custom_imports).')
-    engine_settings = dict(settings)
-    if settings.get('recording_threshold', AUTO) == AUTO:
-        engine_settings.pop('recording_threshold', None)
     try:
-        DTR(device=device, **engine_settings)
+        DTR(device=device, **engine_settings(settings))
     except MmdtrError as e:
         if 'recording_threshold' in e.message:
             e = MmdtrError(
@@ -135,6 +132,29 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
             f'{key}={settings!r} is not accepted: {e.message}',
             hint=e.hint) from None
     return settings
+
+
+def engine_settings(settings: dict,
+                    recent: Optional[RecentSteps] = None) -> dict:
+    """The arguments of a :class:`~mmdtr.dtr.DTR` engine from validated
+    settings: a ``recording_threshold`` of ``'auto'`` (or left out) is the
+    one ``recent`` gives the next iteration (R16), or left out without it.
+
+    Args:
+        settings (dict): From :func:`dtr_settings`.
+        recent (RecentSteps, optional): The recent iterations' statistics.
+
+    Returns:
+        dict: ``settings`` as they are if they give a recording threshold
+        of their own, else a copy with it resolved.
+    """
+    if settings.get('recording_threshold', AUTO) != AUTO:
+        return settings
+    resolved = dict(settings)
+    resolved.pop('recording_threshold', None)
+    if recent is not None:
+        resolved['recording_threshold'] = recent.next_threshold()
+    return resolved
 
 
 def model_device(model: nn.Module) -> Optional[torch.device]:
@@ -214,7 +234,8 @@ class DTRTrainStep:
                 'one engine per process (rank), never two nested.',
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
-        engine = DTR(device=self.device, **self._engine_settings())
+        engine = DTR(
+            device=self.device, **engine_settings(self.settings, self.recent))
         if isinstance(optim_wrapper, OptimWrapperDict):
             # several backwards (GANs): the engine spans the whole step,
             # optimizer steps included (R7 orders their parameter writes)
@@ -231,14 +252,6 @@ class DTRTrainStep:
             self.warned = True
             print_log(_not_held(self.stats), 'current', logging.WARNING)
         return result
-
-    def _engine_settings(self) -> dict:
-        """The settings of this iteration's engine: ``'auto'`` resolved
-        from the recent iterations' statistics (R16)."""
-        if self.settings.get('recording_threshold', AUTO) != AUTO:
-            return self.settings
-        return dict(
-            self.settings, recording_threshold=self.recent.next_threshold())
 
     @staticmethod
     def _close_after_backward(engine, train_step, data, optim_wrapper):
@@ -291,5 +304,6 @@ def _not_held(stats: DTRStats) -> str:
 
 
 __all__ = [
-    'DTR_SUB_KEYS', 'SCALARS', 'DTRTrainStep', 'dtr_settings', 'model_device'
+    'DTR_SUB_KEYS', 'SCALARS', 'DTRTrainStep', 'dtr_settings',
+    'engine_settings', 'model_device'
 ]
