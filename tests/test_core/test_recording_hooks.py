@@ -5,12 +5,15 @@ context is active (2.8 and later), and are pushed only where they stay.
 import pytest
 import torch
 
+from mmdtr.core.torch_compat import (can_read_saved_tensor_hooks,
+                                     outer_saved_tensor_hooks)
 from mmdtr.dtr import DTR
-from .test_recording_threshold import _chain, eager_chain
+from .test_recording_threshold import _chain, chain_engine, eager_chain
 
 
 def _hooks_in_force():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    """The pack hook on top of this thread's stack, or ``None``."""
+    return outer_saved_tensor_hooks()
 
 
 needs_hooks_reader = pytest.mark.needs_hooks_on_top
@@ -87,18 +90,9 @@ def test_recording_never_starts_in_backward():
         assert engine.stats.idle_ops == forward_ops
         y.backward()  # the gradient of w: 256 KiB
     assert engine.stats.peak_memory > 2**18
-    if _top_reader():
+    if can_read_saved_tensor_hooks():
         assert engine.stats.idle_ops == engine.stats.ops  # never recorded
-    assert _no_hooks_left()
-
-
-def _top_reader():
-    return getattr(torch._C._autograd, '_top_saved_tensors_default_hooks',
-                   None) is not None
-
-
-def _no_hooks_left():
-    return not _top_reader() or _hooks_in_force() is None
+    assert _hooks_in_force() is None
 
 
 def test_hooks_from_the_start_where_they_cannot_wait(monkeypatch):
@@ -109,12 +103,8 @@ def test_hooks_from_the_start_where_they_cannot_wait(monkeypatch):
     monkeypatch.setattr(idle_ops, 'can_read_saved_tensor_hooks', lambda: False)
     x = torch.randn(128, 128, requires_grad=True)
     expected, grad = eager_chain(x, 24)
-    size = 128 * 128 * 4
-    with DTR(
-            eviction_threshold=12 * size,
-            evictee_minimum_size=1,
-            recording_threshold=8 * size) as engine:
-        if _top_reader():
+    with chain_engine(128 * 128 * 4) as engine:
+        if can_read_saved_tensor_hooks():
             assert _hooks_in_force() is not None
         loss, _ = _chain(x, 24)
         loss.backward()

@@ -77,14 +77,19 @@ def eager_chain(x, n):
     return loss, grad
 
 
+def chain_engine(size):
+    """An engine over ``_chain`` of outputs of ``size`` bytes: it records
+    from 8 outputs' worth on and evicts above 12."""
+    return DTR(
+        eviction_threshold=12 * size,
+        evictee_minimum_size=1,
+        recording_threshold=8 * size)
+
+
 def test_what_runs_before_recording_starts_is_never_evicted():
     x = torch.randn(128, 128, requires_grad=True)
     expected, grad = eager_chain(x, 24)
-    size = 128 * 128 * 4
-    with DTR(
-            eviction_threshold=12 * size,
-            evictee_minimum_size=1,
-            recording_threshold=8 * size) as engine:
+    with chain_engine(128 * 128 * 4) as engine:
         loss, made = _chain(x, 24)
         # what the ops made before memory passed 8 tanh outputs' worth
         # (their products too) was metered, not recorded, and is resident
