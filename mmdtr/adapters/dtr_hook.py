@@ -244,8 +244,9 @@ class DTRHook(Hook):
             last 8), an iteration runs its ops as they are, metered, until
             memory in use passes their highest peak (at most half the
             threshold), and records from there on; the first iteration,
-            those after an eviction, and all without a threshold (CUDA)
-            record from the first op (design.md R16). A size: record once
+            those after an eviction, one whose data batch holds more
+            tensor bytes than those before, and all without a threshold
+            (CUDA) record from the first op (design.md R16). A size: record once
             memory in use passes it. ``None``: always from the first op.
 
     Examples:

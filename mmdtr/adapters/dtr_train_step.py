@@ -27,7 +27,7 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-from mmdtr.core.recording_threshold import RecentSteps
+from mmdtr.core.recording_threshold import RecentSteps, tensor_bytes
 from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
@@ -135,7 +135,8 @@ def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
 
 
 def engine_settings(settings: dict,
-                    recent: Optional[RecentSteps] = None) -> dict:
+                    recent: Optional[RecentSteps] = None,
+                    input_bytes: Optional[int] = None) -> dict:
     """The arguments of a :class:`~mmdtr.dtr.DTR` engine from validated
     settings: a ``recording_threshold`` of ``'auto'`` (or left out) is the
     one ``recent`` gives the next iteration (R16), or left out without it.
@@ -143,6 +144,8 @@ def engine_settings(settings: dict,
     Args:
         settings (dict): From :func:`dtr_settings`.
         recent (RecentSteps, optional): The recent iterations' statistics.
+        input_bytes (int, optional): The bytes of the next iteration's
+            data batch, for ``recent``.
 
     Returns:
         dict: ``settings`` as they are if they give a recording threshold
@@ -153,7 +156,7 @@ def engine_settings(settings: dict,
     resolved = dict(settings)
     resolved.pop('recording_threshold', None)
     if recent is not None:
-        resolved['recording_threshold'] = recent.next_threshold()
+        resolved['recording_threshold'] = recent.next_threshold(input_bytes)
     return resolved
 
 
@@ -179,8 +182,8 @@ class DTRTrainStep:
     ``train/dtr_remat_seconds``, ``train/dtr_eviction_failures``,
     ``train/dtr_idle_ops``). A ``recording_threshold`` of ``'auto'`` (the
     default) is resolved at each call from the statistics of the recent
-    iterations (:class:`~mmdtr.core.recording_threshold.RecentSteps`,
-    design.md R16).
+    iterations and the bytes of their data batches
+    (:class:`~mmdtr.core.recording_threshold.RecentSteps`, design.md R16).
 
     Args:
         settings (dict): See :func:`dtr_settings`.
@@ -234,8 +237,10 @@ class DTRTrainStep:
                 'one engine per process (rank), never two nested.',
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
+        size = tensor_bytes(data)
         engine = DTR(
-            device=self.device, **engine_settings(self.settings, self.recent))
+            device=self.device,
+            **engine_settings(self.settings, self.recent, size))
         if isinstance(optim_wrapper, OptimWrapperDict):
             # several backwards (GANs): the engine spans the whole step,
             # optimizer steps included (R7 orders their parameter writes)
@@ -245,7 +250,7 @@ class DTRTrainStep:
             result = self._close_after_backward(engine, train_step, data,
                                                 optim_wrapper)
         self.stats = engine.stats
-        self.recent.add(self.stats)
+        self.recent.add(self.stats, size)
         self._publish(self.stats)
         if self.stats.eviction_failures and not self.warned and \
                 self.stats.threshold is not None:

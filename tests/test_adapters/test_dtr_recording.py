@@ -27,15 +27,28 @@ def _big_batch():
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def test_auto_skips_recording_while_steps_fit_and_records_when_they_grow():
-    model = DTRWrapperToyNet()
+class GrowingToyNet(DTRWrapperToyNet):
+    """Runs its batch ``rounds`` times in one: a step that grows with the
+    same inputs (a path chosen per iteration, as SPOS does)."""
+    rounds = 1
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        if labels is not None:
+            labels = labels.repeat(self.rounds)
+        return super().forward(
+            inputs.repeat(self.rounds, 1, 1, 1), labels, mode=mode)
+
+
+def _auto_steps(model, batches):
+    """``model`` trained on ``batches`` under 'auto' with a threshold that
+    a batch fits under the recording point and four batches do not fit,
+    and a copy trained without DTR; the steps' statistics."""
     plain = copy.deepcopy(model)
     optim, plain_optim = _sgd(model), _sgd(plain)
     probe = DTRTrainStep(dict(eviction_threshold='1GB'), message_hub=_hub())
     probe(
         copy.deepcopy(model).train_step, batch(0), _sgd(copy.deepcopy(model)))
     peak = probe.stats.peak_memory
-    # a batch fits under the recording point; four batches do not fit
     threshold = int(peak * 2.5)
     assert peak <= threshold * AUTO_FRACTION
     hub = _hub()
@@ -43,11 +56,31 @@ def test_auto_skips_recording_while_steps_fit_and_records_when_they_grow():
         dict(eviction_threshold=threshold, evictee_minimum_size=1),
         message_hub=hub)
     seen = []
-    for data in (batch(0), batch(1), batch(0), _big_batch(), batch(1),
-                 _big_batch()):
+    for data in batches:
+        if callable(data):  # grow the model's step, then the batch
+            data = data(model, plain)
         step(model.train_step, data, optim)
         plain.train_step(data, plain_optim)
         seen.append(step.stats)
+    assert_same_state(plain, model)
+    assert hub.get_scalar('train/dtr_idle_ops').current() == seen[-1].idle_ops
+    return seen
+
+
+def _rounds(n, data):
+
+    def grow(*models):
+        for m in models:
+            m.rounds = n
+        return data
+
+    return grow
+
+
+def test_auto_skips_recording_while_steps_fit_and_records_when_they_grow():
+    seen = _auto_steps(GrowingToyNet(),
+                       (batch(0), batch(1), batch(0), _rounds(4, batch(1)),
+                        _rounds(1, batch(0)), _rounds(4, batch(1))))
     first, fits, fits_again, grown, after, grown_again = seen
     assert first.idle_ops == 0  # nothing known yet: recorded
     assert fits.idle_ops == fits.ops and fits_again.idle_ops == fits.ops
@@ -57,8 +90,17 @@ def test_auto_skips_recording_while_steps_fit_and_records_when_they_grow():
     # it evicted: the steps of the window after it record from the first
     # op, also the next large one (alternating sizes pay once)
     assert after.idle_ops == 0 and grown_again.idle_ops == 0
-    assert_same_state(plain, model)
-    assert hub.get_scalar('train/dtr_idle_ops').current() == 0
+
+
+def test_auto_records_a_larger_batch_from_its_first_op():
+    """A batch of more bytes than the recent ones records from its first
+    op: what its first ops make may have to be evicted (R16)."""
+    seen = _auto_steps(DTRWrapperToyNet(),
+                       (batch(0), batch(1), batch(0), _big_batch(), batch(1)))
+    first, fits, fits_again, larger, after = seen
+    assert fits.idle_ops == fits.ops and fits_again.idle_ops == fits.ops
+    assert larger.idle_ops == 0 and larger.evictions > 0
+    assert after.idle_ops == 0  # it evicted: the window records
 
 
 @pytest.mark.parametrize('recording_threshold', [None, 0])

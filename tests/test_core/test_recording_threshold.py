@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmdtr.core.recording_threshold import (AUTO_FRACTION, AUTO_WINDOW,
-                                            next_recording_threshold)
+                                            RecentSteps,
+                                            next_recording_threshold,
+                                            tensor_bytes)
 from mmdtr.dtr import DTR, DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.profiler_memory import measure_peak_memory
@@ -171,6 +173,40 @@ HALF = int(1000 * AUTO_FRACTION)
     ])
 def test_next_recording_threshold(history, expected):
     assert next_recording_threshold(history) == expected
+    assert next_recording_threshold(history, larger_inputs=True) is None
+
+
+@pytest.mark.parametrize(
+    'sizes, next_size, expected',
+    [
+        ([1000, 1000], 1000, 100),  # the same batch
+        ([1000, 1000], 999, 100),
+        ([1000, 1000], None, 100),  # not compared
+        ([1000, 1000], 1001, None),  # more than every recent one: recorded
+        ([1000, 3000], 2000, 100),  # not more than every one
+        ([None, None], 5000, 100),  # nothing to compare with
+        ([None, 1000], 1001, None),  # compared with those given
+        ([5000] + [1000] * AUTO_WINDOW, 2000, None),  # out of the window
+    ])
+def test_recent_steps_record_larger_inputs_from_the_first_op(
+        sizes, next_size, expected):
+    steps = RecentSteps()
+    for size in sizes:
+        steps.add(_stats(100), size)
+    assert steps.next_threshold(next_size) == expected
+
+
+def test_tensor_bytes_of_a_data_batch():
+    batch = dict(
+        inputs=[torch.zeros(3, 4, 4),
+                torch.zeros(3, 2, 2)],
+        labels=torch.zeros(2, dtype=torch.int64),
+        meta=({
+            'scale': 1.5,
+            'mask': torch.zeros(8, dtype=torch.bool)
+        }, 'name'))
+    assert tensor_bytes(batch) == (48 + 12) * 4 + 2 * 8 + 8
+    assert tensor_bytes(torch.zeros(5)) == 20 and tensor_bytes('x') == 0
 
 
 def test_foreach_writes_move_version_counters_while_idle():
