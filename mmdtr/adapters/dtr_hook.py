@@ -246,8 +246,9 @@ class DTRHook(Hook):
             threshold), and records from there on; the first iteration,
             those after an eviction, one whose data batch holds more
             tensor bytes than those before, and all without a threshold
-            (CUDA) record from the first op (design.md R16). A size: record once
-            memory in use passes it. ``None``: always from the first op.
+            (CUDA) record from the first op (design.md R16). A size:
+            record once memory in use passes it. ``None``: always from the
+            first op.
 
     Examples:
         >>> dtr = dict(eviction_threshold='3GB')  # the config key, or:

@@ -26,9 +26,10 @@ from .idle_ops import IdleOps
 from .op_semantics import op_info, same_bits_on_replay
 from .policies import keeps_evicted_classes
 from .recipes import AllocNode, Recipes
-from .records import _PLAIN, WeakList, managed
+from .records import _PLAIN, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
+from .tracked_tensors import WeakList
 from .writes import Writes, bump_like_eager, versions_before
 
 # One lock for every engine (R12): a thread holding an engine's lock may
@@ -166,6 +167,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         _OPEN_ENGINES.add(self)
         self.recording_threshold = recording_threshold
         self.idle_ops = 0  # ops run before recording started (R16)
+        # StorageImpl pointer -> IdleStorageTensors: the tensors ops
+        # returned over a storage without a record, watched after the
+        # scope as a record's are (R13, R16)
+        self.idle_tensors = {}
         # asked before recording starts: False to wait (the façade's hooks)
         self.ready_to_record = None
         if recording_threshold:
@@ -316,8 +321,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             if rec is not None:  # a view or write of one we know (R2)
                 rec.track(o)
                 continue
-            if count_only and cdata in self.transients:
-                continue  # counted already (R16)
+            if cdata in self.transients:  # made idle, no record (R16)
+                self.idle_tensors_of(cdata).track(o)  # (R13)
+                if count_only:
+                    continue  # counted already
             if not info.fresh_returns or _use_count(cdata) != 2:
                 if inputs is None:
                     inputs = argument_storages(args, kwargs)
@@ -383,6 +390,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         for rec in list(self.records.values()):
             rec.close_versions()  # later writes are unseen (R13)
         self.records = {}
+        for watch in list(self.idle_tensors.values()):
+            watch.close_versions()
+        self.idle_tensors = {}
         self.transients = {}
         self.external_users = {}
         self.foreign_index = {}

@@ -20,6 +20,7 @@ from .records import _PLAIN
 from .saved_tensors import graph_task_id
 from .sizes import parse_size
 from .torch_compat import can_read_saved_tensor_hooks, outer_saved_tensor_hooks
+from .tracked_tensors import IdleStorageTensors
 from .writes import bump_like_eager, storage_set_made, versions_before
 
 _autograd = torch._C._autograd
@@ -61,8 +62,9 @@ class IdleOps:
     :meth:`_on_op_idle` while a ``recording_threshold`` is pending.
 
     Reads and writes the state's ``recording_threshold``,
-    ``ready_to_record``, ``idle_ops``, ``clock``, ``transients``,
-    ``limit``, ``threshold``, ``in_use`` and ``cuda_offset``.
+    ``ready_to_record``, ``idle_ops``, ``idle_tensors``, ``clock``,
+    ``transients``, ``limit``, ``threshold``, ``in_use`` and
+    ``cuda_offset``.
     """
 
     def _on_op_idle(self, func, args, kwargs):
@@ -106,6 +108,14 @@ class IdleOps:
                                                   or self.ready_to_record()):
             del self.on_op  # the class's: every later op recorded (R16)
         return out
+
+    def idle_tensors_of(self, cdata):
+        """The :class:`~mmdtr.core.tracked_tensors.IdleStorageTensors` of
+        storage ``cdata``, which has no record, made on first use (R13)."""
+        watch = self.idle_tensors.get(cdata)
+        if watch is None:
+            watch = self.idle_tensors[cdata] = IdleStorageTensors(cdata)
+        return watch
 
     def count_unrecorded(self, storage, cdata):
         """Count a new storage that gets no record (an op run before

@@ -15,7 +15,9 @@ import torch
 from . import backend_flags
 from .cost_model import op_cost
 from .op_semantics import op_info
-from .records import StorageRef, WeakList, detached_alias, managed, view_meta
+from .records import (StorageRef, counter_sharing_alias, detached_alias,
+                      managed, view_meta)
+from .tracked_tensors import WeakList
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -49,19 +51,28 @@ class HeldRef:
 
     ``version`` is checked on replay against the record's version (storages
     allocated in scope) or the tensor's ``_version``: an external leaf is
-    held as itself; an external non-leaf is held as a detached alias (no
-    reference cycle through its ``grad_fn``, R10), whose counter is its own,
-    so the tensor's is read through ``wrefs`` (weak references to it, and
-    to its base if it is a view) while one of them lives and still views
-    the held storage (R13). ``None`` skips the check (inference tensors).
-    ``cdata``, for external leaves, is the storage they had:
-    ``leaf.data = other`` swaps it without a version bump.
+    held as itself; an external non-leaf is held as an alias without
+    autograd history (no reference cycle through its ``grad_fn``, R10)
+    that shares its counter, read through ``wrefs`` (weak references to the
+    tensor, and to its base if it is a view) while one of them lives and
+    still views the held storage, and through the alias once all are gone
+    (R13). ``None`` skips the check (inference tensors). ``cdata``, for
+    external leaves, is the storage they had: ``leaf.data = other`` swaps
+    it without a version bump. ``watch``: the tensors ops in scope returned
+    over a storage made before recording started
+    (:class:`~mmdtr.core.tracked_tensors.IdleStorageTensors`, R16).
     """
-    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wrefs')
+    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wrefs', 'watch')
 
-    def __init__(self, tensor, record, version, cdata=None, wrefs=None):
+    def __init__(self,
+                 tensor,
+                 record,
+                 version,
+                 cdata=None,
+                 wrefs=None,
+                 watch=None):
         self.tensor, self.record, self.version = tensor, record, version
-        self.cdata, self.wrefs = cdata, wrefs
+        self.cdata, self.wrefs, self.watch = cdata, wrefs, watch
 
     def current_version(self):
         if self.record is not None:
@@ -73,11 +84,16 @@ class HeldRef:
         held = self.tensor.untyped_storage()._cdata
         # the view first: a temporary one is gone by backward, its base
         # lives; one moved to another storage (.data =, set_) is not read
+        moved = False
         for ref in self.wrefs:
             t = ref()
-            if t is not None and t.untyped_storage()._cdata == held:
-                return t._version
-        return self.version
+            if t is not None:
+                if t.untyped_storage()._cdata == held:
+                    return t._version
+                moved = True
+        # all gone: the alias's counter, which a detached alias or view of
+        # theirs still moves (found by an adversarial search)
+        return self.version if moved else self.tensor._version
 
 
 class SelfRef:
@@ -269,8 +285,7 @@ class Recipes:
             return RecordRef(rec, rec.version, view_meta(t))
         return HeldRef(detached_alias(t), rec, rec.version)
 
-    @staticmethod
-    def _held_external(t, storage, cdata):
+    def _held_external(self, t, storage, cdata):
         """A hold on ``t``, whose storage (``cdata``) the engine did not
         record, checked at replay for writes made unseen (R13).
 
@@ -290,16 +305,26 @@ class Recipes:
             raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
+        # made before recording started: the tensors ops returned over it
+        # are watched, as a record's are (R16)
+        watch = self.idle_tensors_of(cdata) if \
+            cdata in self.transients else None
         if _is_leaf(t):  # holding a leaf makes no cycle
-            return HeldRef(t, None, t._version, cdata)
-        # below autograd, detach() gets a fresh version counter: the
-        # tensor's own is read through weak references, to it and to its
-        # base if it is a view (views share their base's counter; a
-        # temporary view, x.conj() of a parameter, is gone by backward)
+            return HeldRef(t, None, t._version, cdata, watch=watch)
+        # the alias shares t's counter, which a write through any tensor
+        # sharing it moves; t itself, and its base if it is a view, are
+        # read through weak references while they view the held storage
+        # (a base moved to another storage by .data = or set_ is not)
         base = t._base
         wrefs = (weakref.ref(t), ) if base is None else \
             (weakref.ref(t), weakref.ref(base))
-        return HeldRef(detached_alias(t), None, t._version, None, wrefs)
+        return HeldRef(
+            counter_sharing_alias(t),
+            None,
+            t._version,
+            None,
+            wrefs,
+            watch=watch)
 
     def _cut_carried(self, rec):
         """``rec``, made before the latest backward, is read again: a state

@@ -10,6 +10,8 @@ import weakref
 
 import torch
 
+from .tracked_tensors import TrackedTensors, WeakList
+
 
 def view_meta(t: torch.Tensor) -> tuple:
     """What rebuilds a tensor from its storage: dtype, size, stride, offset.
@@ -43,6 +45,22 @@ def managed(t: torch.Tensor) -> bool:
 def detached_alias(t: torch.Tensor) -> torch.Tensor:
     """An alias of ``t`` without autograd history (no reference cycles)."""
     with torch._C._DisableTorchDispatch():
+        return t.detach()
+
+
+def counter_sharing_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` without autograd history that shares its version
+    counter, as ``t.detach()`` above the dispatcher does: a write through
+    any tensor sharing ``t``'s counter (its views, its detached aliases)
+    shows in the alias after ``t`` is gone (R13). Below autograd (in an
+    op's dispatch) ``detach`` gets a fresh counter; ``ADInplaceOrView``,
+    let through here, is what shares it. Holds no reference to ``t`` or its
+    ``grad_fn`` (no cycles, R10)."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(
+        torch._C.DispatchKey.ADInplaceOrView)
+    with torch._C._DisableTorchDispatch(), \
+            torch._C._ForceDispatchKeyGuard(include, exclude):
         return t.detach()
 
 
@@ -95,71 +113,7 @@ class EvictedClass:
         return self
 
 
-class WeakList(list):
-    """Weak references to objects: the records whose recipes read one
-    record, the tensors ops returned over its storage.
-
-    Lighter than a ``weakref.WeakSet`` (one list and one reference per
-    object, no callbacks), which matters on the hot path (R1): dead
-    references are dropped when the list has doubled since the last pruning,
-    so adding stays O(1) amortized and a record read every iteration of a
-    long scope does not grow it without bound.
-    """
-    __slots__ = ('prune_at', )
-
-    def __init__(self):
-        super().__init__()
-        self.prune_at = 8
-
-    def add(self, obj) -> None:
-        if len(self) >= self.prune_at:
-            self.prune()
-        self.append(weakref.ref(obj))
-
-    def prune(self, unwanted=None) -> None:
-        """Drop the references to dead objects, and to those for which
-        ``unwanted(obj)`` is true if it is given."""
-        if unwanted is None:
-            self[:] = [ref for ref in self if ref() is not None]
-        else:
-            self[:] = [
-                ref for ref in self
-                if (obj := ref()) is not None and not unwanted(obj)
-            ]
-        self.prune_at = max(8, 2 * len(self))
-
-    def live(self) -> list:
-        """The objects still alive, each once. References to dead ones are
-        dropped: a list that stopped growing is not walked whole again at
-        each read (the users of a storage read by many ops, read at each
-        of its evictions; found by an audit of the hot path, R1)."""
-        if len(self) == 1:
-            obj = self[0]()
-            return [] if obj is None else [obj]
-        objs, seen, dead = [], set(), 0
-        for ref in self:
-            obj = ref()
-            if obj is None:
-                dead += 1
-            elif id(obj) not in seen:
-                seen.add(id(obj))
-                objs.append(obj)
-        if dead:
-            self.prune()
-        return objs
-
-    def any_live(self) -> bool:
-        """Whether an object is alive; the dead ones before the first live
-        one are dropped, so the next call does not walk them again."""
-        for i, ref in enumerate(self):
-            if ref() is not None:
-                if i:
-                    del self[:i]
-                return True
-        return False
-
-
-class StorageRecord:
+class StorageRecord(TrackedTensors):
     """The engine's record of one storage allocated while it is active.
 
     Attributes:
@@ -244,34 +198,6 @@ class StorageRecord:
         recipes together (R7, R10)."""
         self.lo = self.hi = None
         self.creator, self.mutations, self.inputs = None, (), ()
-
-    def track(self, tensor) -> None:
-        """Remember a tensor an op returned over this storage (R13)."""
-        if self.tensors is None:
-            self.tensors = WeakList()
-        elif self.tensors[-1]() is tensor:
-            return  # an in-place op returns its input
-        self.tensors.add(tensor)
-
-    def close_versions(self) -> None:
-        """At the end of the scope: note the version counter of each
-        tracked tensor still alive (R13)."""
-        if self.tensors is not None:
-            self.exit_versions = tuple(
-                (weakref.ref(t), t._version) for t in self.tensors.live()
-                if not t.is_inference())  # no counter to read
-            self.tensors = None
-
-    def written_after_close(self):
-        """``(tensor, version at the close)`` of a tracked tensor still
-        over this storage whose counter moved since the scope closed, or
-        ``None`` (R13)."""
-        for ref, version in self.exit_versions or ():
-            t = ref()
-            if t is not None and t._version != version and \
-                    t.untyped_storage()._cdata == self.cdata:
-                return t, version
-        return None
 
     def add_input(self, rec) -> None:
         """Link this record to ``rec``, which its recipe reads (both ways).

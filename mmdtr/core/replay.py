@@ -362,6 +362,8 @@ class Replayer:
         if isinstance(a, HeldRef):
             if a.record is not None and a.record.exit_versions:
                 _written_after_close(a.record, rebuildable=False)
+            if a.watch is not None and a.watch.exit_versions:  # (R16)
+                _written_after_close(a.watch, rebuildable=False)
             if a.current_version() != a.version:
                 raise _unseen_write(a.tensor.shape, a.version,
                                     a.current_version())

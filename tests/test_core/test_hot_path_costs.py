@@ -6,8 +6,8 @@ counted the lines the engine ran per op while one dimension grew.
 import pytest
 import torch
 
-from mmdtr.core.records import WeakList
 from mmdtr.core.saved_tensors import _alias_ref
+from mmdtr.core.tracked_tensors import WeakList
 from mmdtr.core.writes import Writes
 from mmdtr.dtr import DTR
 

@@ -350,7 +350,7 @@ def test_pruning_survives_a_collection_that_frees_an_outside_storage(
     """Found by a review: a garbage collection during the pruning walk
     freed an outside storage, whose callback dropped its entry, and the
     walk's ``del`` raised KeyError in the middle of an op."""
-    from mmdtr.core.records import WeakList
+    from mmdtr.core.tracked_tensors import WeakList
 
     class Sample:  # a data sample in a reference cycle
 

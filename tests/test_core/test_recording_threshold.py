@@ -282,3 +282,56 @@ def test_on_cuda_recording_starts_between_counter_reads():
     # counter alone, at its next read: step 6)
     assert switched is not None and switched <= 3
     assert len(meter.clocks) < e.stats.ops
+
+
+@pytest.mark.parametrize(
+    'alias', ['detach', 'data', 'view', 'unsafe_split', '_unsafe_view'])
+def test_idle_storage_written_after_the_scope_through_an_alias(alias):
+    """A recipe reads a storage made before recording started as it is: a
+    write after the scope through a tensor an op returned over it, made
+    while idle (its counter its own or shared), is refused as a record's
+    is (R13), once the tensor the recipe read is gone (found by an
+    adversarial review: another gradient)."""
+    n = 128
+    size = n * n * 4
+    x = torch.randn(n, n)
+    w = torch.randn(n, n, requires_grad=True)
+    aliases = dict(
+        detach=lambda a: a.detach(),
+        data=lambda a: a.data,
+        view=lambda a: a.view(-1),
+        unsafe_split=lambda a: a.unsafe_split(n)[0],
+        _unsafe_view=lambda a: torch.ops.aten._unsafe_view(a, (n * n, )))
+
+    def body():
+        a = x @ w  # idle
+        u = aliases[alias](a)
+        pad = [torch.randn(n, n) for _ in range(3)]  # recording starts
+        h = a.tanh()  # recorded: reads a as it is; saved, then evicted
+        for _ in range(6):
+            h = h.sigmoid()
+        return u, h.sum(), pad
+
+    def run(use_dtr, write):
+        w.grad = None
+        if use_dtr:
+            with DTR(
+                    eviction_threshold=5 * size + 1,
+                    evictee_minimum_size=1,
+                    recording_threshold=3 * size) as e:
+                u, loss, pad = body()
+            assert 0 < e.stats.idle_ops < e.stats.ops
+            assert e.stats.evictions > 0
+        else:
+            u, loss, pad = body()
+        del pad
+        if write:
+            with torch.no_grad():
+                u.add_(1.0)
+        loss.backward()
+        return w.grad
+
+    assert torch.equal(run(True, False), run(False, False))
+    run(False, True)  # eager runs
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        run(True, True)

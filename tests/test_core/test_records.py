@@ -3,7 +3,8 @@ import gc
 
 import torch
 
-from mmdtr.core.records import StorageRecord, WeakList
+from mmdtr.core.records import StorageRecord
+from mmdtr.core.tracked_tensors import WeakList
 
 
 def _record():
