@@ -237,7 +237,8 @@ class DTRTrainStep:
                 'one engine per process (rank), never two nested.',
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
-        size = tensor_bytes(data)
+        auto = self.settings.get('recording_threshold', AUTO) == AUTO
+        size = tensor_bytes(data) if auto else None  # for 'auto' only (R16)
         engine = DTR(
             device=self.device,
             **engine_settings(self.settings, self.recent, size))

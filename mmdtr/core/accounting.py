@@ -226,5 +226,5 @@ class Accounting:
         with self.lock:  # any thread may free it (R12)
             if self.transients.get(wref.cdata) is wref:
                 del self.transients[wref.cdata]
-                self.idle_tensors.pop(wref.cdata, None)
+                self.unrecorded_tensors.pop(wref.cdata, None)
                 self.in_use -= wref.nbytes

@@ -167,10 +167,10 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         _OPEN_ENGINES.add(self)
         self.recording_threshold = recording_threshold
         self.idle_ops = 0  # ops run before recording started (R16)
-        # StorageImpl pointer -> IdleStorageTensors: the tensors ops
-        # returned over a storage without a record, watched after the
+        # StorageImpl pointer -> UnrecordedTensors: the tensors ops
+        # returned over a storage without a record, checked after the
         # scope as a record's are (R13, R16)
-        self.idle_tensors = {}
+        self.unrecorded_tensors = {}
         # asked before recording starts: False to wait (the façade's hooks)
         self.ready_to_record = None
         if recording_threshold:
@@ -322,7 +322,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
                 rec.track(o)
                 continue
             if cdata in self.transients:  # made idle, no record (R16)
-                self.idle_tensors_of(cdata).track(o)  # (R13)
+                self.unrecorded_tensors_of(cdata).track(o)  # (R13)
                 if count_only:
                     continue  # counted already
             if not info.fresh_returns or _use_count(cdata) != 2:
@@ -330,12 +330,16 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
                     inputs = argument_storages(args, kwargs)
                 if cdata in inputs and not (info.lifts_fresh
                                             and storage.resizable()):
-                    continue  # a view of an external storage (R2)
+                    # a view of an external storage (R2), checked after
+                    # the scope (R13; found by a review)
+                    if cdata not in self.transients:
+                        self.unrecorded_tensors_of(cdata).track(o)
+                    continue
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows
                 # them, R11)
             if count_only:
-                self.count_unrecorded(storage, cdata)
+                self.count_unrecorded(storage, cdata, o)
                 continue
             rec = self._register(storage, cdata)
             rec.track(o)
@@ -390,9 +394,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         for rec in list(self.records.values()):
             rec.close_versions()  # later writes are unseen (R13)
         self.records = {}
-        for watch in list(self.idle_tensors.values()):
-            watch.close_versions()
-        self.idle_tensors = {}
+        for tracked in list(self.unrecorded_tensors.values()):
+            tracked.close_versions()
+        self.unrecorded_tensors = {}
         self.transients = {}
         self.external_users = {}
         self.foreign_index = {}

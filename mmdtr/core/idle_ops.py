@@ -9,6 +9,7 @@ saved-tensor hooks context is active (2.8 and later), the engine's hooks are
 pushed when recording starts, so that autograd saves the idle ops' tensors
 itself, with its own version check, and calls no Python per saved tensor.
 """
+import weakref
 from typing import Optional
 
 import torch
@@ -20,7 +21,6 @@ from .records import _PLAIN
 from .saved_tensors import graph_task_id
 from .sizes import parse_size
 from .torch_compat import can_read_saved_tensor_hooks, outer_saved_tensor_hooks
-from .tracked_tensors import IdleStorageTensors
 from .writes import bump_like_eager, storage_set_made, versions_before
 
 _autograd = torch._C._autograd
@@ -62,9 +62,8 @@ class IdleOps:
     :meth:`_on_op_idle` while a ``recording_threshold`` is pending.
 
     Reads and writes the state's ``recording_threshold``,
-    ``ready_to_record``, ``idle_ops``, ``idle_tensors``, ``clock``,
-    ``transients``, ``limit``, ``threshold``, ``in_use`` and
-    ``cuda_offset``.
+    ``ready_to_record``, ``idle_ops``, ``clock``, ``transients``,
+    ``limit``, ``threshold``, ``in_use`` and ``cuda_offset``.
     """
 
     def _on_op_idle(self, func, args, kwargs):
@@ -109,24 +108,21 @@ class IdleOps:
             del self.on_op  # the class's: every later op recorded (R16)
         return out
 
-    def idle_tensors_of(self, cdata):
-        """The :class:`~mmdtr.core.tracked_tensors.IdleStorageTensors` of
-        storage ``cdata``, which has no record, made on first use (R13)."""
-        watch = self.idle_tensors.get(cdata)
-        if watch is None:
-            watch = self.idle_tensors[cdata] = IdleStorageTensors(cdata)
-        return watch
-
-    def count_unrecorded(self, storage, cdata):
+    def count_unrecorded(self, storage, cdata, maker=None):
         """Count a new storage that gets no record (an op run before
         recording starts) until it is freed.
 
         Args:
             storage (UntypedStorage): The storage.
             cdata (int): Its StorageImpl pointer.
+            maker (Tensor, optional): The tensor the op returned over it,
+                checked after the scope if a recipe reads the storage
+                (R13).
         """
         self.meter_first(storage.nbytes(), storage.device)
         self._count_transient(storage, cdata)
+        if maker is not None:
+            self.transients[cdata].maker = weakref.ref(maker)
 
 
 class DeferredHooks:

@@ -8,7 +8,7 @@ engine (:mod:`mmdtr.core.replay`) asks these functions.
 """
 import sys
 
-from .recipes import RecordRef
+from .recipe_refs import RecordRef
 
 #: What :func:`reads_in_a_rebuild` returns when the reads cannot be
 #: counted: a rebuild keeps the storage until it ends (R4).

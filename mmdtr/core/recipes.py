@@ -1,8 +1,8 @@
 """Recipes: how an op's call is recorded so that it can be replayed.
 
 An :class:`OpNode` is one recorded call with its tensor arguments replaced
-by references (:class:`RecordRef`, :class:`HeldRef`, ...) that say how to
-get each input back at the version that call read (rule R4 of
+by references (:mod:`~mmdtr.core.recipe_refs`) that say how to get each
+input back at the version that call read (rule R4 of
 docs/design.md). :class:`Recipes` is the recipe half of
 :class:`~mmdtr.core.engine.EngineState` (one state object per engine; the
 mixin only groups its methods): it builds the nodes and links the records
@@ -15,9 +15,10 @@ import torch
 from . import backend_flags
 from .cost_model import op_cost
 from .op_semantics import op_info
+from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
 from .records import (StorageRef, counter_sharing_alias, detached_alias,
                       managed, view_meta)
-from .tracked_tensors import WeakList
+from .tracked_tensors import UnrecordedTensors, WeakList
 
 Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -36,80 +37,6 @@ def _is_leaf(t) -> bool:
         return t.is_leaf
     except RuntimeError:
         return False
-
-
-class RecordRef:
-    """An input read from a recorded storage at ``version``."""
-    __slots__ = ('record', 'version', 'meta')
-
-    def __init__(self, record, version, meta):
-        self.record, self.version, self.meta = record, version, meta
-
-
-class HeldRef:
-    """An input the engine holds on to: external, or not recomputable.
-
-    ``version`` is checked on replay against the record's version (storages
-    allocated in scope) or the tensor's ``_version``: an external leaf is
-    held as itself; an external non-leaf is held as an alias without
-    autograd history (no reference cycle through its ``grad_fn``, R10)
-    that shares its counter, read through ``wrefs`` (weak references to the
-    tensor, and to its base if it is a view) while one of them lives and
-    still views the held storage, and through the alias once all are gone
-    (R13). ``None`` skips the check (inference tensors). ``cdata``, for
-    external leaves, is the storage they had: ``leaf.data = other`` swaps
-    it without a version bump. ``watch``: the tensors ops in scope returned
-    over a storage made before recording started
-    (:class:`~mmdtr.core.tracked_tensors.IdleStorageTensors`, R16).
-    """
-    __slots__ = ('tensor', 'record', 'version', 'cdata', 'wrefs', 'watch')
-
-    def __init__(self,
-                 tensor,
-                 record,
-                 version,
-                 cdata=None,
-                 wrefs=None,
-                 watch=None):
-        self.tensor, self.record, self.version = tensor, record, version
-        self.cdata, self.wrefs, self.watch = cdata, wrefs, watch
-
-    def current_version(self):
-        if self.record is not None:
-            return self.record.version
-        if self.version is None:
-            return None
-        if self.wrefs is None:
-            return self.tensor._version
-        held = self.tensor.untyped_storage()._cdata
-        # the view first: a temporary one is gone by backward, its base
-        # lives; one moved to another storage (.data =, set_) is not read
-        moved = False
-        for ref in self.wrefs:
-            t = ref()
-            if t is not None:
-                if t.untyped_storage()._cdata == held:
-                    return t._version
-                moved = True
-        # all gone: the alias's counter, which a detached alias or view of
-        # theirs still moves (found by an adversarial search)
-        return self.version if moved else self.tensor._version
-
-
-class SelfRef:
-    """In a mutation node: a view of the storage being rebuilt."""
-    __slots__ = ('meta', )
-
-    def __init__(self, meta):
-        self.meta = meta
-
-
-class ScratchRef:
-    """An argument the op writes as a side effect; replay gets a copy."""
-    __slots__ = ('tensor', )
-
-    def __init__(self, tensor):
-        self.tensor = tensor
 
 
 _REFS = (RecordRef, HeldRef, SelfRef, ScratchRef)
@@ -305,26 +232,45 @@ class Recipes:
             raise _UnrebuildableView
         if t.is_inference():  # no version counter (no grad_fn either)
             return HeldRef(t, None, None)
-        # made before recording started: the tensors ops returned over it
-        # are watched, as a record's are (R16)
-        watch = self.idle_tensors_of(cdata) if \
-            cdata in self.transients else None
+        # the tensors ops in scope returned over it are checked after the
+        # scope, as a record's are (R13, R16)
+        tracked = self.unrecorded_tensors_of(cdata)
         if _is_leaf(t):  # holding a leaf makes no cycle
-            return HeldRef(t, None, t._version, cdata, watch=watch)
-        # the alias shares t's counter, which a write through any tensor
-        # sharing it moves; t itself, and its base if it is a view, are
-        # read through weak references while they view the held storage
-        # (a base moved to another storage by .data = or set_ is not)
+            return HeldRef(t, None, t._version, cdata, tracked=tracked)
+        # t itself, and its base if it is a view, are read through weak
+        # references while they view the held storage (a base moved to
+        # another storage by .data = or set_ is not)
         base = t._base
+        if base is not None and _is_leaf(base):  # w.t() of a parameter
+            wrefs = (weakref.ref(t), weakref.ref(base))
+            return HeldRef(
+                detached_alias(t),
+                None,
+                t._version,
+                None,
+                wrefs,
+                tracked,
+                leaf=base)
+        # the alias shares t's counter, read once they are gone
         wrefs = (weakref.ref(t), ) if base is None else \
             (weakref.ref(t), weakref.ref(base))
         return HeldRef(
-            counter_sharing_alias(t),
-            None,
-            t._version,
-            None,
-            wrefs,
-            watch=watch)
+            counter_sharing_alias(t), None, t._version, None, wrefs, tracked)
+
+    def unrecorded_tensors_of(self, cdata):
+        """The :class:`~mmdtr.core.tracked_tensors.UnrecordedTensors` of
+        storage ``cdata``, which has no record, made on first use with the
+        tensor that made the storage if an op before recording started did
+        (R13, R16)."""
+        tracked = self.unrecorded_tensors.get(cdata)
+        if tracked is None:
+            tracked = self.unrecorded_tensors[cdata] = UnrecordedTensors(cdata)
+            maker = getattr(self.transients.get(cdata), 'maker', None)
+            maker = maker() if maker is not None else None
+            if maker is not None and \
+                    maker.untyped_storage()._cdata == cdata:
+                tracked.track(maker)
+        return tracked
 
     def _cut_carried(self, rec):
         """``rec``, made before the latest backward, is read again: a state

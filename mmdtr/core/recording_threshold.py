@@ -60,21 +60,26 @@ def next_recording_threshold(history: Sequence,
 
 def tensor_bytes(data) -> int:
     """The bytes of the tensors in ``data``, a tensor or dicts, lists and
-    tuples of them (a data batch); other objects count nothing.
+    tuples of them (a data batch), each counted as dense (its elements
+    times their size: a sparse or expanded tensor as its dense shape); other
+    objects (data samples, arrays, strings) count nothing, and a container
+    met twice counts once.
 
     Args:
         data: The structure.
 
     Returns:
-        int: The sum of the tensors' ``nbytes``.
+        int: The sum.
     """
-    if isinstance(data, torch.Tensor):
-        return data.nbytes
-    if isinstance(data, Mapping):
-        data = data.values()
-    elif not isinstance(data, (list, tuple)):
-        return 0
-    return sum(tensor_bytes(item) for item in data)
+    total, seen, stack = 0, set(), [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, (Mapping, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, Mapping) else item)
+    return total
 
 
 class RecentSteps:

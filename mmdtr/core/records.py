@@ -56,19 +56,21 @@ def counter_sharing_alias(t: torch.Tensor) -> torch.Tensor:
     op's dispatch) ``detach`` gets a fresh counter; ``ADInplaceOrView``,
     let through here, is what shares it. Holds no reference to ``t`` or its
     ``grad_fn`` (no cycles, R10)."""
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set().remove(
-        torch._C.DispatchKey.ADInplaceOrView)
-    with torch._C._DisableTorchDispatch(), \
-            torch._C._ForceDispatchKeyGuard(include, exclude):
-        return t.detach()
+    with torch._C._DisableTorchDispatch():  # read inside: no mode sees it
+        include = torch._C._dispatch_tls_local_include_set()
+        exclude = torch._C._dispatch_tls_local_exclude_set().remove(
+            torch._C.DispatchKey.ADInplaceOrView)
+        with torch._C._ForceDispatchKeyGuard(include, exclude):
+            return t.detach()
 
 
 class StorageRef(weakref.ref):
     """A weak reference to a storage that remembers its StorageImpl pointer
-    (``cdata``) and size, and, once indexed (R14), its device and where its
-    memory starts (its data address)."""
-    __slots__ = ('cdata', 'nbytes', 'device', 'start')
+    (``cdata``) and size, once indexed (R14) its device and where its
+    memory starts (its data address), and for a storage an op made before
+    recording started a weak reference to the tensor it returned
+    (``maker``, R16; unset otherwise)."""
+    __slots__ = ('cdata', 'nbytes', 'device', 'start', 'maker')
 
 
 #: Classes that more storages than this have joined (those rebuilt since

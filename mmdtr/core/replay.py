@@ -12,7 +12,8 @@ from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
 from .op_semantics import op_info
 from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
-from .recipes import AllocNode, HeldRef, RecordRef, ScratchRef, SelfRef
+from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
+from .recipes import AllocNode
 from .records import _PLAIN, detached_alias, view_meta, view_of
 
 Tensor = torch.Tensor
@@ -362,8 +363,8 @@ class Replayer:
         if isinstance(a, HeldRef):
             if a.record is not None and a.record.exit_versions:
                 _written_after_close(a.record, rebuildable=False)
-            if a.watch is not None and a.watch.exit_versions:  # (R16)
-                _written_after_close(a.watch, rebuildable=False)
+            if a.tracked is not None and a.tracked.exit_versions:
+                _written_after_close(a.tracked, rebuildable=False)
             if a.current_version() != a.version:
                 raise _unseen_write(a.tensor.shape, a.version,
                                     a.current_version())

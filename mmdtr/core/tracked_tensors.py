@@ -8,8 +8,9 @@ seen by comparing its counter with the one noted at the close: some of
 those tensors (``_unsafe_view``, ``unsafe_split``, ``.data``) have a
 counter of their own, so the tensor a recipe read is not enough.
 :class:`TrackedTensors` is the mechanism, for a record
-(:class:`~mmdtr.core.records.StorageRecord`) and for a storage made before
-recording started (:class:`IdleStorageTensors`, R16).
+(:class:`~mmdtr.core.records.StorageRecord`) and for a storage without one
+(:class:`UnrecordedTensors`: made before the scope, or before recording
+started, R16).
 """
 import weakref
 
@@ -113,10 +114,11 @@ class TrackedTensors:
         return None
 
 
-class IdleStorageTensors(TrackedTensors):
-    """The tensors ops in scope returned over a storage that an op made
-    before recording started (R16), which has no record: a recipe reads
-    such a storage as it is, as one from before the scope (R13).
+class UnrecordedTensors(TrackedTensors):
+    """The tensors ops in scope returned over a storage without a record
+    (made before the scope, or by an op run before recording started,
+    R16), and for the latter the tensor that made it: a recipe reads such a
+    storage as it is (R13).
 
     Args:
         cdata (int): The storage's StorageImpl pointer.

@@ -11,7 +11,8 @@ import torch
 from .arguments import tensors_in
 from .cost_model import tensor_bytes
 from .op_semantics import batch_norm_in_training, get_arg
-from .recipes import AllocNode, HeldRef, SelfRef
+from .recipe_refs import HeldRef, SelfRef
+from .recipes import AllocNode
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is

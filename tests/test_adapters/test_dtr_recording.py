@@ -125,3 +125,21 @@ def test_a_size_records_from_that_size():
     for i in range(2):
         step(model.train_step, batch(i), optim)
         assert 0 < step.stats.idle_ops < step.stats.ops
+
+
+@pytest.mark.parametrize('recording_threshold', ['auto', None])
+def test_a_batch_holding_a_sparse_tensor(recording_threshold):
+    # its bytes are read for 'auto' only, counting it as dense (found by a
+    # review: nbytes raised for sparse tensors, before the engine started)
+    sparse = torch.sparse_coo_tensor([[0], [1]], [1.0], (4, 4))
+    step = DTRTrainStep(
+        dict(
+            eviction_threshold='1GB', recording_threshold=recording_threshold),
+        message_hub=_hub())
+    seen = []
+    for _ in range(2):
+        step(lambda data, optim_wrapper: seen.append(data['adjacency']),
+             dict(adjacency=sparse), _sgd(DTRWrapperToyNet()))
+    assert seen == [sparse, sparse]
+    assert step.recent.input_bytes[-1] == (64 if recording_threshold == 'auto'
+                                           else None)

@@ -207,6 +207,13 @@ def test_tensor_bytes_of_a_data_batch():
         }, 'name'))
     assert tensor_bytes(batch) == (48 + 12) * 4 + 2 * 8 + 8
     assert tensor_bytes(torch.zeros(5)) == 20 and tensor_bytes('x') == 0
+    # counted as dense: a sparse tensor has no nbytes (found by a review:
+    # a batch holding one crashed the step)
+    sparse = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (3, 3))
+    assert tensor_bytes([sparse, torch.zeros(1).expand(10)]) == 36 + 40
+    cyclic = {'x': torch.zeros(2)}
+    cyclic['self'] = [cyclic, cyclic]
+    assert tensor_bytes(cyclic) == 8
 
 
 def test_foreach_writes_move_version_counters_while_idle():
@@ -284,33 +291,40 @@ def test_on_cuda_recording_starts_between_counter_reads():
     assert len(meter.clocks) < e.stats.ops
 
 
+ALIASES = dict(
+    detach=lambda a: a.detach(),
+    data=lambda a: a.data,
+    view=lambda a: a.view(-1),
+    unsafe_split=lambda a: a.unsafe_split(a.shape[0])[0],
+    _unsafe_view=lambda a: torch.ops.aten._unsafe_view(a, (a.numel(), )))
+
+
 @pytest.mark.parametrize(
-    'alias', ['detach', 'data', 'view', 'unsafe_split', '_unsafe_view'])
-def test_idle_storage_written_after_the_scope_through_an_alias(alias):
+    'alias, reader', [(alias, 'maker') for alias in sorted(ALIASES)] +
+    [(alias, 'alias')
+     for alias in ('view', 'unsafe_split', '_unsafe_view')])  # with grad
+def test_idle_storage_written_after_the_scope_through_another_tensor(
+        alias, reader):
     """A recipe reads a storage made before recording started as it is: a
-    write after the scope through a tensor an op returned over it, made
-    while idle (its counter its own or shared), is refused as a record's
-    is (R13), once the tensor the recipe read is gone (found by an
-    adversarial review: another gradient)."""
+    write after the scope through another tensor an op returned over it
+    (the alias, or the tensor that made it), made while idle, its counter
+    its own or shared, is refused as a record's is (R13), once the tensor
+    the recipe read is gone (found by an adversarial review and a review
+    of its fix: another gradient)."""
     n = 128
     size = n * n * 4
     x = torch.randn(n, n)
     w = torch.randn(n, n, requires_grad=True)
-    aliases = dict(
-        detach=lambda a: a.detach(),
-        data=lambda a: a.data,
-        view=lambda a: a.view(-1),
-        unsafe_split=lambda a: a.unsafe_split(n)[0],
-        _unsafe_view=lambda a: torch.ops.aten._unsafe_view(a, (n * n, )))
 
     def body():
         a = x @ w  # idle
-        u = aliases[alias](a)
+        u = ALIASES[alias](a)
+        read, other = (a, u) if reader == 'maker' else (u, a)
         pad = [torch.randn(n, n) for _ in range(3)]  # recording starts
-        h = a.tanh()  # recorded: reads a as it is; saved, then evicted
+        h = read.tanh()  # recorded: reads it as it is; saved, evicted
         for _ in range(6):
             h = h.sigmoid()
-        return u, h.sum(), pad
+        return other, h.sum(), pad
 
     def run(use_dtr, write):
         w.grad = None
@@ -319,15 +333,15 @@ def test_idle_storage_written_after_the_scope_through_an_alias(alias):
                     eviction_threshold=5 * size + 1,
                     evictee_minimum_size=1,
                     recording_threshold=3 * size) as e:
-                u, loss, pad = body()
+                other, loss, pad = body()
             assert 0 < e.stats.idle_ops < e.stats.ops
             assert e.stats.evictions > 0
         else:
-            u, loss, pad = body()
+            other, loss, pad = body()
         del pad
         if write:
             with torch.no_grad():
-                u.add_(1.0)
+                other.mul_(-3.0)
         loss.backward()
         return w.grad
 

@@ -1,9 +1,11 @@
 """Unit tests of the recipe graph's small structures (no autograd)."""
 import gc
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmdtr.core.records import StorageRecord
+from mmdtr.core.records import StorageRecord, counter_sharing_alias
 from mmdtr.core.tracked_tensors import WeakList
 
 
@@ -54,3 +56,46 @@ def test_a_record_whose_users_all_died_has_none():
     del user
     gc.collect()
     assert rec.users and not rec.has_live_users()
+
+
+def test_counter_sharing_alias():
+    """The hold on an input from outside (R13), made in an op's dispatch
+    as the engine makes it: it shares the input's counter there (below
+    autograd a plain detach gets a fresh one), so a write through any alias
+    sharing it shows after the input is gone; it keeps neither the input
+    nor its graph alive (R10); and a mode entered before sees only the op
+    (found by a review: an outer mode saw a detach per input read)."""
+    seen, made = [], []
+
+    class Seen(TorchDispatchMode):
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Holds(TorchDispatchMode):
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.sin.default:
+                made.append(counter_sharing_alias(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    leaf = torch.randn(4, requires_grad=True)
+    x = leaf * 2  # not a leaf
+    other = x.detach()  # shares x's counter
+    with Seen():
+        x.sin()  # saves its input, not its output
+    alone, seen[:] = list(seen), []
+    with Seen(), Holds():
+        x.sin()  # saves its input, not its output
+    assert seen == alone
+    alias, = made
+    assert alias.grad_fn is None and alias._base is None
+    assert not alias.requires_grad
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+    with torch.no_grad():
+        other.add_(1)
+    assert alias._version == 1

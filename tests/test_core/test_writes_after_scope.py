@@ -269,3 +269,42 @@ def test_external_non_leaf_written_through_an_alias_after_it_died(alias):
     run(False, True)  # eager runs
     with pytest.raises(MmdtrError, match='after the DTR scope closed'):
         run(True, True)
+
+
+@pytest.mark.parametrize('alias', ['data', 'unsafe_split', '_unsafe_view'])
+def test_alias_made_in_scope_of_an_input_written_after_it_died(alias):
+    # an alias with a counter of its own that an op in scope returns over
+    # an input from before the scope is tracked, as a record's tensors are
+    # (found by a review: another gradient)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+    make = dict(
+        data=lambda t: t.data,
+        unsafe_split=lambda t: t.unsafe_split(16)[0],
+        _unsafe_view=lambda t: torch.ops.aten._unsafe_view(t, (32 * 32, )))
+
+    def run(use_dtr, write):
+        w.grad = None
+        xe = x @ w  # not a leaf, made before the scope
+
+        def body(xe):
+            return make[alias](xe), _chain_after(xe, w)
+
+        if use_dtr:
+            with DTR(eviction_threshold=1, evictee_minimum_size=1) as e:
+                u, loss = body(xe)
+            assert e.stats.evictions > 0
+        else:
+            u, loss = body(xe)
+        del xe
+        if write:
+            with torch.no_grad():
+                u.add_(1)
+        loss.backward()
+        return w.grad
+
+    assert torch.equal(run(True, False), run(False, False))
+    run(False, True)  # eager runs
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        run(True, True)
