@@ -171,6 +171,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         # returned over a storage without a record, checked after the
         # scope as a record's are (R13, R16)
         self.unrecorded_tensors = {}
+        self.unrecorded_prune_at = 64  # (R10)
         # asked before recording starts: False to wait (the façade's hooks)
         self.ready_to_record = None
         if recording_threshold:
@@ -333,7 +334,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
                     # a view of an external storage (R2), checked after
                     # the scope (R13; found by a review)
                     if cdata not in self.transients:
-                        self.unrecorded_tensors_of(cdata).track(o)
+                        self.unrecorded_tensors_of(cdata, storage).track(o)
                     continue
             if o.is_meta:
                 continue  # nothing real (empty storages are: out= grows

@@ -22,11 +22,12 @@ class HeldRef:
     that shares its counter, read through ``wrefs`` (weak references to the
     tensor, and to its base if it is a view) while one of them lives and
     still views the held storage, and through the alias once all are gone
-    (R13); a view of a leaf keeps the leaf (``leaf``: no cycle), so its
-    counter stays readable. ``None`` skips the check (inference tensors).
-    ``cdata``, for external leaves, is the storage they had: ``leaf.data =
-    other`` swaps it without a version bump. ``tracked``: the tensors ops
-    in scope returned over the storage
+    (R13); a view of a leaf (``w.t()``) keeps the leaf (``leaf``: no
+    cycle), so its counter stays readable and the alias, whose counter is
+    never read, is a plain detached one (cheaper). ``None`` skips the
+    check (inference tensors). ``cdata``, for external leaves, is the
+    storage they had: ``leaf.data = other`` swaps it without a version
+    bump. ``tracked``: the tensors ops in scope returned over the storage
     (:class:`~mmdtr.core.tracked_tensors.UnrecordedTensors`).
     """
     __slots__ = ('tensor', 'record', 'version', 'cdata', 'wrefs', 'tracked',

@@ -234,7 +234,8 @@ class Recipes:
             return HeldRef(t, None, None)
         # the tensors ops in scope returned over it are checked after the
         # scope, as a record's are (R13, R16)
-        tracked = self.unrecorded_tensors_of(cdata)
+        tracked = self.unrecorded_tensors_of(
+            cdata, None if cdata in self.transients else storage)
         if _is_leaf(t):  # holding a leaf makes no cycle
             return HeldRef(t, None, t._version, cdata, tracked=tracked)
         # t itself, and its base if it is a view, are read through weak
@@ -257,19 +258,30 @@ class Recipes:
         return HeldRef(
             counter_sharing_alias(t), None, t._version, None, wrefs, tracked)
 
-    def unrecorded_tensors_of(self, cdata):
+    def unrecorded_tensors_of(self, cdata, storage=None):
         """The :class:`~mmdtr.core.tracked_tensors.UnrecordedTensors` of
         storage ``cdata``, which has no record, made on first use with the
         tensor that made the storage if an op before recording started did
-        (R13, R16)."""
-        tracked = self.unrecorded_tensors.get(cdata)
-        if tracked is None:
-            tracked = self.unrecorded_tensors[cdata] = UnrecordedTensors(cdata)
-            maker = getattr(self.transients.get(cdata), 'maker', None)
-            maker = maker() if maker is not None else None
-            if maker is not None and \
-                    maker.untyped_storage()._cdata == cdata:
-                tracked.track(maker)
+        (R13, R16). ``storage``, for one from outside the scope: its entry
+        is replaced once the storage is freed (its pointer may be reused;
+        found by a review), and such entries are dropped when the table
+        has doubled, so a long scope does not grow it (R10)."""
+        table = self.unrecorded_tensors
+        tracked = table.get(cdata)
+        if tracked is not None and not tracked.stale():
+            return tracked
+        if len(table) >= self.unrecorded_prune_at:
+            self.unrecorded_tensors = table = {
+                k: v
+                for k, v in table.items() if not v.stale()
+            }
+            self.unrecorded_prune_at = max(64, 2 * len(table))
+        tracked = table[cdata] = UnrecordedTensors(
+            cdata, None if storage is None else weakref.ref(storage))
+        maker = getattr(self.transients.get(cdata), 'maker', None)
+        maker = maker() if maker is not None else None
+        if maker is not None and maker.untyped_storage()._cdata == cdata:
+            tracked.track(maker)
         return tracked
 
     def _cut_carried(self, rec):

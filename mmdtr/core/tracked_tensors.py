@@ -122,9 +122,17 @@ class UnrecordedTensors(TrackedTensors):
 
     Args:
         cdata (int): The storage's StorageImpl pointer.
+        storage (weakref.ref, optional): For a storage from outside the
+            scope, a weak reference to it: the entry is stale once it is
+            dead (its pointer may be reused). ``None`` for one made in
+            scope, whose entry goes when it is freed.
     """
-    __slots__ = ('tensors', 'exit_versions', 'cdata')
+    __slots__ = ('tensors', 'exit_versions', 'cdata', 'storage')
 
-    def __init__(self, cdata: int):
-        self.cdata = cdata
+    def __init__(self, cdata: int, storage=None):
+        self.cdata, self.storage = cdata, storage
         self.tensors = self.exit_versions = None
+
+    def stale(self) -> bool:
+        """Whether its storage from outside was freed."""
+        return self.storage is not None and self.storage() is None

@@ -308,3 +308,31 @@ def test_alias_made_in_scope_of_an_input_written_after_it_died(alias):
     run(False, True)  # eager runs
     with pytest.raises(MmdtrError, match='after the DTR scope closed'):
         run(True, True)
+
+
+def test_entries_of_storages_from_outside_go_when_they_are_freed():
+    # each iteration of a long scope views a batch made before it, which
+    # dies after its iteration: the table of tensors over storages without
+    # a record stays bounded (found by a review: one entry per batch, for
+    # good), and an entry whose storage died is not handed to a new storage
+    # at the same address (it lacked that storage's maker: another
+    # gradient after the scope)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    batches = [torch.randn(8, 8, 8) for _ in range(300)]
+    with DTR(eviction_threshold='1GB') as engine:
+        state = engine._state
+        for i in range(len(batches)):
+            x, batches[i] = batches[i], None
+            model(x.view(8, 64)).sum().backward()
+            del x
+        assert len(state.unrecorded_tensors) <= 128
+        outside = torch.zeros(4)
+        storage = outside.untyped_storage()
+        cdata = storage._cdata
+        entry = state.unrecorded_tensors_of(cdata, storage)
+        assert state.unrecorded_tensors_of(cdata, storage) is entry
+        del outside, storage
+        assert entry.stale()
+        assert state.unrecorded_tensors_of(cdata) is not entry
