@@ -19,6 +19,7 @@ from mmdtr.utils.profiler_memory import measure_peak_memory
 from .test_equivalence import ZOO
 from .test_meter import _model
 from .test_random_graphs import PROGRAMS, run
+from .test_writes_after_scope import assert_write_refused
 
 # (eviction threshold, recording threshold), as fractions of the peak
 PAIRS = ((0.9, 0.5), (0.5, 0.25), (0.3, 0.1))
@@ -345,7 +346,4 @@ def test_idle_storage_written_after_the_scope_through_another_tensor(
         loss.backward()
         return w.grad
 
-    assert torch.equal(run(True, False), run(False, False))
-    run(False, True)  # eager runs
-    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
-        run(True, True)
+    assert_write_refused(run)
