@@ -22,6 +22,7 @@ from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)
+from .optimizer_values import check_optimizer_values
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -345,6 +346,7 @@ def _check_optimizer_arguments(optimizer: dict, cls) -> None:
         example='accumulative_counts and clip_grad belong to optim_wrapper '
         'itself' if {'accumulative_counts', 'clip_grad'}
         & set(optimizer) else '')
+    check_optimizer_values(optimizer, cls)
 
 
 def _check_wrapper_keys(wrapper: dict, default_scope) -> None:

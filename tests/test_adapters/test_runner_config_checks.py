@@ -62,6 +62,16 @@ def make_cfg(toy_runner_cfg, tmp_path):
         # its arguments are checked on the class found (they were not)
         (dict(optimizer=dict(type='mmdtr.SGD', lr=0.1, momentm=0.9)),
          'rename momentm to momentum'),
+        # values torch.optim refuses: a raw TypeError or ValueError of its
+        # __init__ in runner.train(), after the work dir was made
+        (dict(optimizer=dict(type='SGD', lr='abc', momentum=0.9)),
+         r"optim_wrapper.optimizer.lr='abc' is not accepted by SGD: "
+         r'TypeError'),
+        (dict(optimizer=dict(type='Adam', lr=0.1, betas=(1.5, 0.9))),
+         r'optimizer.betas=\(1.5, 0.9\) is not accepted by Adam: '
+         r'ValueError: Invalid beta'),
+        (dict(optimizer=dict(type='SGD', lr=0.1, nesterov=True)),
+         r'optimizer.nesterov=True is not accepted by SGD: .*Nesterov'),
     ],
     ids=[
         'runner_typo', 'runner_scoped_typo', 'runner_int', 'optimizer_typo',
@@ -69,7 +79,8 @@ def make_cfg(toy_runner_cfg, tmp_path):
         'model_typo', 'model_scoped_typo', 'model_without_type',
         'mmdtr_scoped_model_in_mmdtr_scope',
         'mmdtr_scoped_optimizer_in_mmdtr_scope', 'mmdtr_model_unscoped',
-        'mmdtr_scoped_optimizer_arg_typo'
+        'mmdtr_scoped_optimizer_arg_typo', 'optimizer_value_type',
+        'optimizer_value_range', 'optimizer_values_together'
     ])
 def test_unregistered_types_are_refused_before_the_runner(
         keys, match, make_cfg, tmp_path):
@@ -170,3 +181,45 @@ def test_lookups_follow_mmengines_builders(make_cfg):
             MmdtrError, match="closest match: 'mmdtr.ResNetClassifier'"):
         translate_memory_keys(
             make_cfg(model=dict(type='ResNetClasifier', depth=18)))
+
+
+@pytest.mark.parametrize('optimizer', [
+    dict(type='AdamW', lr=1e-3, fused=True, capturable=True, foreach=False),
+    dict(type='SGD', lr=0.1, momentum=0.9, nesterov=True),
+    dict(type='Adam', lr=1e-3, betas=[0.9, 0.999]),
+])
+def test_optimizer_values_torch_accepts_pass(optimizer, make_cfg):
+    # the switches whose check depends on the parameters' device are not
+    # checked on the CPU parameter the check builds
+    translate_memory_keys(make_cfg(optimizer=optimizer))
+
+
+def test_values_of_other_optimizers_are_left_to_them(make_cfg):
+    # one that is not torch.optim's may need the model or a process group
+    # to be built: not built for the check
+
+    class Picky(torch.optim.SGD):
+
+        def __init__(self, params, lr=0.1):
+            raise ValueError('needs the whole model')
+
+    translate_memory_keys(make_cfg(optimizer=dict(type=Picky, lr=0.1)))
+
+
+def test_device_switches_are_not_checked_on_a_cpu_parameter(make_cfg):
+    # fused and capturable may need the parameters' device (CUDA), which
+    # the one CPU parameter the check builds has not
+
+    class CudaFused(torch.optim.SGD):
+
+        def __init__(self, params, lr=0.1, fused=None):
+            if fused and params[0].device.type != 'cuda':
+                raise ValueError('fused=True needs CUDA parameters')
+            super().__init__(params, lr=lr)
+
+    CudaFused.__module__ = 'torch.optim.sgd'  # as torch.optim's own
+    translate_memory_keys(
+        make_cfg(optimizer=dict(type=CudaFused, lr=0.1, fused=True)))
+    with pytest.raises(MmdtrError, match=r'optimizer.lr=-1 is not accepted'):
+        translate_memory_keys(
+            make_cfg(optimizer=dict(type=CudaFused, lr=-1, fused=True)))
