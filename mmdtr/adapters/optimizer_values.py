@@ -15,11 +15,14 @@ DEVICE_SWITCHES = ('fused', 'capturable', 'foreach', 'differentiable')
 
 
 def check_optimizer_values(optimizer: dict, cls) -> None:
-    """Build ``cls``, a ``torch.optim`` optimizer, over one parameter with
-    the config's values, and refuse a value it refuses (``TypeError`` or
-    ``ValueError``), naming the key. Other optimizers, which may need the
-    model or a process group, the switches in :data:`DEVICE_SWITCHES` and
-    other errors are left to the runner.
+    """Build ``cls``, a ``torch.optim`` optimizer, over one 1x1 parameter
+    with the config's values, and refuse a value it refuses (``TypeError``
+    or ``ValueError``), naming the keys whose removal lets it build. Other
+    optimizers, which may need the model or a process group, the switches
+    in :data:`DEVICE_SWITCHES`, an optimizer that refuses the parameter
+    itself (``Muon`` with no values), the first argument (the parameters,
+    which MMEngine's constructor sets) and other errors are left to the
+    runner.
 
     Args:
         optimizer (dict): ``optim_wrapper.optimizer`` (its keys checked).
@@ -34,33 +37,45 @@ def check_optimizer_values(optimizer: dict, cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
             and cls.__module__.startswith('torch.optim')):
         return
-    values = {
-        k: v
-        for k, v in optimizer.items()
-        if k not in ('type', '_scope_') and k not in DEVICE_SWITCHES
-    }
+    skipped = {'type', '_scope_', *DEVICE_SWITCHES, _first_argument(cls)}
+    values = {k: v for k, v in optimizer.items() if k not in skipped}
     error = _refusal(cls, values)
-    if error is None:
-        return
-    # the key that alone is refused, else all of them
-    culprits = [k for k in values if _refusal(cls, {k: values[k]})] or \
-        list(values)
-    shown = ', '.join(f'{k}={values[k]!r}' for k in culprits)
+    if error is None or not values or _refusal(cls, {}) is not None:
+        return  # accepted, or the probe parameter is what it refuses
+    culprits = [
+        k for k in values if _refusal(cls, {
+            j: v
+            for j, v in values.items() if j != k
+        }) is None
+    ] or list(values)
+    shown = ', '.join(f'optim_wrapper.optimizer.{k}={values[k]!r}'
+                      for k in culprits)
     raise MmdtrError(
-        f'optim_wrapper.optimizer.{shown} is not accepted by '
-        f'{cls.__name__}: {type(error).__name__}: {error}',
-        hint=f'give {cls.__name__} the values torch.optim accepts '
-        "(numbers, e.g. lr=0.01), as in optimizer=dict(type='"
-        f"{cls.__name__}', lr=0.01).")
+        f'{shown}: not accepted by torch.optim.{cls.__name__}, which '
+        f'raised {type(error).__name__}: {error}',
+        hint=f'change {" or ".join(culprits)} to a value '
+        f'{cls.__name__} takes (see help(torch.optim.{cls.__name__})); '
+        'the runner would build it with these values in train().')
+
+
+def _first_argument(cls) -> str:
+    """The name of the parameters' argument, which MMEngine's constructor
+    sets (``params``)."""
+    try:
+        names = list(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return 'params'
+    return names[1] if len(names) > 1 else 'params'
 
 
 def _refusal(cls, values: dict):
     """The ``TypeError`` or ``ValueError`` ``cls`` raises built with
-    ``values`` over one parameter, or ``None``."""
+    ``values`` over one 1x1 parameter (2-D: ``Muon`` takes no other), or
+    ``None``."""
     needs_lr = 'lr' not in values and _lr_required(cls)
     kwargs = dict(values, lr=0.01) if needs_lr else values
     try:
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, 1, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as error:
         return error
     except Exception:  # noqa: B902 (not a value's fault: left to the runner)
