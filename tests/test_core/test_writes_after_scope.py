@@ -320,3 +320,37 @@ def test_entries_of_storages_from_outside_go_when_they_are_freed():
         del outside, storage
         assert entry.stale()
         assert state.unrecorded_tensors_of(cdata) is not entry
+
+
+@pytest.mark.parametrize('move', ['data', 'set_'])
+def test_input_moved_written_there_and_gone_is_refused(move):
+    # the refusal kept on purpose (design.md, limits): the engine's hold on
+    # xe shares its counter, which writes to the storage xe moved to also
+    # move; once xe is gone they cannot be told from writes to the storage
+    # a recipe reads, so DTR refuses where eager runs (a refusal, not
+    # another gradient)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32)
+
+    def run(use_dtr):
+        w.grad = None
+        xe = x @ w  # not a leaf, made before the scope
+        if use_dtr:
+            with DTR(eviction_threshold=1, evictee_minimum_size=1):
+                loss = _chain_after(xe, w)
+        else:
+            loss = _chain_after(xe, w)
+        with torch.no_grad():
+            if move == 'data':
+                xe.data = torch.zeros(32, 32)
+                xe.add_(1)
+            else:
+                xe.set_(torch.zeros(32, 32))  # moves its counter
+        del xe
+        loss.backward()
+        return w.grad
+
+    run(False)  # eager runs
+    with pytest.raises(MmdtrError, match='after the DTR scope closed'):
+        run(True)
