@@ -27,7 +27,7 @@ from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-from mmdtr.core.recording_threshold import RecentSteps, tensor_bytes
+from mmdtr.core.recording_threshold import RecentSteps, batch_bytes
 from mmdtr.core.sizes import format_size
 from mmdtr.dtr import DTR, POLICIES, DTRStats, engine_active
 from mmdtr.errors import MmdtrError
@@ -151,13 +151,19 @@ def engine_settings(settings: dict,
         dict: ``settings`` as they are if they give a recording threshold
         of their own, else a copy with it resolved.
     """
-    if settings.get('recording_threshold', AUTO) != AUTO:
+    if not uses_auto(settings):
         return settings
     resolved = dict(settings)
     resolved.pop('recording_threshold', None)
     if recent is not None:
         resolved['recording_threshold'] = recent.next_threshold(input_bytes)
     return resolved
+
+
+def uses_auto(settings: dict) -> bool:
+    """Whether validated settings leave ``recording_threshold`` to
+    ``'auto'`` (R16)."""
+    return settings.get('recording_threshold', AUTO) == AUTO
 
 
 def model_device(model: nn.Module) -> Optional[torch.device]:
@@ -237,8 +243,8 @@ class DTRTrainStep:
                 'one engine per process (rank), never two nested.',
                 hint='configure DTR once: the dtr key, a DTRHook or '
                 'model_wrapper_cfg.dtr, and no mmdtr.dtr.enable().')
-        auto = self.settings.get('recording_threshold', AUTO) == AUTO
-        size = tensor_bytes(data) if auto else None  # for 'auto' only (R16)
+        # read for 'auto' only (R16)
+        size = batch_bytes(data) if uses_auto(self.settings) else None
         engine = DTR(
             device=self.device,
             **engine_settings(self.settings, self.recent, size))

@@ -322,8 +322,9 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             if rec is not None:  # a view or write of one we know (R2)
                 rec.track(o)
                 continue
-            if cdata in self.transients:  # made idle, no record (R16)
-                self.unrecorded_tensors_of(cdata).track(o)  # (R13)
+            transient = cdata in self.transients
+            if transient:  # made idle, no record (R16)
+                self.unrecorded_tensors_of(cdata, storage).track(o)  # (R13)
                 if count_only:
                     continue  # counted already
             if not info.fresh_returns or _use_count(cdata) != 2:
@@ -333,7 +334,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
                                             and storage.resizable()):
                     # a view of an external storage (R2), checked after
                     # the scope (R13; found by a review)
-                    if cdata not in self.transients:
+                    if not transient:
                         self.unrecorded_tensors_of(cdata, storage).track(o)
                     continue
             if o.is_meta:

@@ -234,16 +234,16 @@ class Recipes:
             return HeldRef(t, None, None)
         # the tensors ops in scope returned over it are checked after the
         # scope, as a record's are (R13, R16)
-        tracked = self.unrecorded_tensors_of(
-            cdata, None if cdata in self.transients else storage)
+        tracked = self.unrecorded_tensors_of(cdata, storage)
         if _is_leaf(t):  # holding a leaf makes no cycle
             return HeldRef(t, None, t._version, cdata, tracked=tracked)
         # t itself, and its base if it is a view, are read through weak
         # references while they view the held storage (a base moved to
         # another storage by .data = or set_ is not)
         base = t._base
+        wrefs = (weakref.ref(t), ) if base is None else \
+            (weakref.ref(t), weakref.ref(base))
         if base is not None and _is_leaf(base):  # w.t() of a parameter
-            wrefs = (weakref.ref(t), weakref.ref(base))
             return HeldRef(
                 detached_alias(t),
                 None,
@@ -253,19 +253,18 @@ class Recipes:
                 tracked,
                 leaf=base)
         # the alias shares t's counter, read once they are gone
-        wrefs = (weakref.ref(t), ) if base is None else \
-            (weakref.ref(t), weakref.ref(base))
         return HeldRef(
             counter_sharing_alias(t), None, t._version, None, wrefs, tracked)
 
-    def unrecorded_tensors_of(self, cdata, storage=None):
+    def unrecorded_tensors_of(self, cdata, storage):
         """The :class:`~mmdtr.core.tracked_tensors.UnrecordedTensors` of
-        storage ``cdata``, which has no record, made on first use with the
-        tensor that made the storage if an op before recording started did
-        (R13, R16). ``storage``, for one from outside the scope: its entry
-        is replaced once the storage is freed (its pointer may be reused;
-        found by a review), and such entries are dropped when the table
-        has doubled, so a long scope does not grow it (R10)."""
+        ``storage`` (StorageImpl pointer ``cdata``), which has no record,
+        made on first use with the tensor that made the storage if an op
+        before recording started did (R13, R16). That of a storage from
+        outside the scope is replaced once the storage is freed (its
+        pointer may be reused; found by a review), and such entries are
+        dropped when the table has doubled, so a long scope does not grow
+        it (R10); a transient's goes when it is freed."""
         table = self.unrecorded_tensors
         tracked = table.get(cdata)
         if tracked is not None and not tracked.stale():
@@ -276,9 +275,10 @@ class Recipes:
                 for k, v in table.items() if not v.stale()
             }
             self.unrecorded_prune_at = max(64, 2 * len(table))
+        transient = self.transients.get(cdata)
         tracked = table[cdata] = UnrecordedTensors(
-            cdata, None if storage is None else weakref.ref(storage))
-        maker = getattr(self.transients.get(cdata), 'maker', None)
+            cdata, None if transient is not None else weakref.ref(storage))
+        maker = getattr(transient, 'maker', None)
         maker = maker() if maker is not None else None
         if maker is not None and maker.untyped_storage()._cdata == cdata:
             tracked.track(maker)

@@ -19,6 +19,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .cost_model import tensor_bytes
+
 #: The next step records from at most this fraction of the threshold on.
 AUTO_FRACTION = 0.5
 #: Steps looked back on: one that evicted among them means recording.
@@ -58,10 +60,11 @@ def next_recording_threshold(history: Sequence,
     return point if point > 0 else None
 
 
-def tensor_bytes(data) -> int:
+def batch_bytes(data) -> int:
     """The bytes of the tensors in ``data``, a tensor or dicts, lists and
-    tuples of them (a data batch), each counted as dense (its elements
-    times their size: a sparse or expanded tensor as its dense shape); other
+    tuples of them (a data batch), each counted as dense
+    (:func:`~mmdtr.core.cost_model.tensor_bytes`: a sparse or expanded
+    tensor as its dense shape); other
     objects (data samples, arrays, strings) count nothing, and a container
     met twice counts once.
 
@@ -75,7 +78,7 @@ def tensor_bytes(data) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            total += item.numel() * item.element_size()
+            total += tensor_bytes(item)
         elif isinstance(item, (Mapping, list, tuple)) and id(item) not in seen:
             seen.add(id(item))
             stack.extend(item.values() if isinstance(item, Mapping) else item)
@@ -90,7 +93,7 @@ class RecentSteps:
     Examples:
         >>> steps = RecentSteps()
         >>> for batch in loader:
-        ...     size = tensor_bytes(batch)
+        ...     size = batch_bytes(batch)
         ...     with DTR(eviction_threshold='4GB',
         ...              recording_threshold=steps.next_threshold(size)) as e:
         ...         train_step(batch)

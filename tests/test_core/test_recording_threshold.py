@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmdtr.core.recording_threshold import (AUTO_FRACTION, AUTO_WINDOW,
-                                            RecentSteps,
-                                            next_recording_threshold,
-                                            tensor_bytes)
+                                            RecentSteps, batch_bytes,
+                                            next_recording_threshold)
 from mmdtr.dtr import DTR, DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.utils.profiler_memory import measure_peak_memory
@@ -197,7 +196,7 @@ def test_recent_steps_record_larger_inputs_from_the_first_op(
     assert steps.next_threshold(next_size) == expected
 
 
-def test_tensor_bytes_of_a_data_batch():
+def test_batch_bytes_of_a_data_batch():
     batch = dict(
         inputs=[torch.zeros(3, 4, 4),
                 torch.zeros(3, 2, 2)],
@@ -206,15 +205,15 @@ def test_tensor_bytes_of_a_data_batch():
             'scale': 1.5,
             'mask': torch.zeros(8, dtype=torch.bool)
         }, 'name'))
-    assert tensor_bytes(batch) == (48 + 12) * 4 + 2 * 8 + 8
-    assert tensor_bytes(torch.zeros(5)) == 20 and tensor_bytes('x') == 0
+    assert batch_bytes(batch) == (48 + 12) * 4 + 2 * 8 + 8
+    assert batch_bytes(torch.zeros(5)) == 20 and batch_bytes('x') == 0
     # counted as dense: a sparse tensor has no nbytes (found by a review:
     # a batch holding one crashed the step)
     sparse = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (3, 3))
-    assert tensor_bytes([sparse, torch.zeros(1).expand(10)]) == 36 + 40
+    assert batch_bytes([sparse, torch.zeros(1).expand(10)]) == 36 + 40
     cyclic = {'x': torch.zeros(2)}
     cyclic['self'] = [cyclic, cyclic]
-    assert tensor_bytes(cyclic) == 8
+    assert batch_bytes(cyclic) == 8
 
 
 def test_foreach_writes_move_version_counters_while_idle():
