@@ -113,9 +113,10 @@ class Recipes:
     ``unswept``, ``sweep_next``, ``cut_carried`` and ``lock``; sets
     ``cut_carried``, ``external_prune_at``, ``unswept``, ``sweep_next``,
     ``sweep_at`` and ``sweep_due``, and changes ``external_users`` in
-    place. Calls the accounting (``_meter_rng_state``), the index of
-    outside memory (``_index_held``, ``_unindex_held``) and the writes'
-    ``_forget_if_unneeded``.
+    place; reads ``transients`` and sets ``unrecorded_tensors`` and
+    ``unrecorded_prune_at`` (R13, R16). Calls the accounting
+    (``_meter_rng_state``), the index of outside memory (``_index_held``,
+    ``_unindex_held``) and the writes' ``_forget_if_unneeded``.
     """
 
     def _mutation_target(self, written, full_overwrite):
