@@ -85,6 +85,23 @@ def _has_storage(t) -> bool:
     return True
 
 
+def _written_parts(t) -> list:
+    """What a write to ``t`` writes: the tensors a traceable wrapper
+    subclass holds (``__tensor_flatten__``), theirs in turn, else ``t`` if
+    it has a storage (an opaque wrapper's parts are unknown). The subclass
+    writes them in its own dispatch, where the engine sees nothing, and a
+    recipe that read one rebuilt from the new values (found by a review).
+    """
+    flatten = getattr(t, '__tensor_flatten__', None)
+    if flatten is not None and type(t) not in _PLAIN:
+        names = flatten()[0]
+        return [
+            part for name in names
+            for part in _written_parts(getattr(t, name))
+        ]
+    return [t] if _has_storage(t) else []
+
+
 _TYPE_OF_DEVICE = {}  # torch.device -> its type: ``.type`` makes a new str
 
 
@@ -257,14 +274,15 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
     def on_subclass_op(self, func, args, kwargs):
         """An op on tensor subclasses: run it as it is (nothing it makes is
         recorded, so it is kept), but a write to a storage the engine knows
-        is seen: readers are frozen first and no recipe replays it (R5, R7).
+        is seen, through a wrapper subclass to the tensors it holds too:
+        readers are frozen first and no recipe replays it (R5, R7).
         """
         info = op_info(func)
         writes = ()
         if info.written_args or info.side_effect_args:
             writes = [
-                w for w in self._writes(info, args, kwargs)[0]
-                if _has_storage(w)
+                part for w in self._writes(info, args, kwargs)[0]
+                for part in _written_parts(w)
             ]
             for w in writes:
                 self._before_write(w)

@@ -209,6 +209,7 @@ class Recipes:
         if rec.born < self.backward_clock != rec.carried_check \
                 and rec.lo is not None:
             self._cut_carried(rec)
+        rec.sync()  # read as it is: a write unseen after is refused (R13)
         if rec.recomputable(rec.version):
             return RecordRef(rec, rec.version, view_meta(t))
         return HeldRef(detached_alias(t), rec, rec.version)

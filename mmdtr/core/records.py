@@ -151,16 +151,19 @@ class StorageRecord(TrackedTensors):
         born (int): Clock when the storage was registered.
         recipe_nbytes (int): Size of the storage the recipe rebuilds (a
             later ``resize_`` grows ``nbytes`` only).
-        tensors (WeakList | None): Weak references to the tensors ops in
+        tensors (TensorRefs | None): Weak references to the tensors ops in
             scope returned over this storage, the user's among them (R13).
         exit_versions (tuple | None): ``(weak reference, version)`` of
             those alive when the scope closed (R13).
+        synced (tuple | None): The same, in scope, noted when a recipe
+            read the storage as it is after the last write the engine saw
+            (R13: a write from another thread is not seen).
     """
     __slots__ = ('nbytes', 'device', 'cdata', 'wref', 'views', 'handles',
                  'creator', 'out_index', 'base', 'mutations', 'version', 'lo',
                  'hi', 'cost', 'last_access', 'remat_count', 'users', 'inputs',
                  'cand_index', 'evicted_class', 'keepalive', 'alias_refs',
-                 'born', 'recipe_nbytes', 'tensors', 'exit_versions',
+                 'born', 'recipe_nbytes', 'tensors', 'exit_versions', 'synced',
                  'carried_check', 'reaches', '__weakref__')
 
     def __init__(self, nbytes, device, clock):
@@ -173,7 +176,7 @@ class StorageRecord(TrackedTensors):
         self.remat_count = 0
         self.mutations = self.inputs = ()  # lists from the first entry
         self.users = self.alias_refs = self.tensors = None
-        self.exit_versions = None
+        self.exit_versions = self.synced = None
         self.cost = 0.0
         self.last_access = self.born = clock
         self.carried_check = -1  # backward clock of the last carried check

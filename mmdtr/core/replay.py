@@ -85,10 +85,22 @@ def _unseen_write(shape, before, now) -> MmdtrError:
         f'a tensor of shape {tuple(shape)} that DTR may recompute from was '
         f'written in place where the engine could not see it (version '
         f'{before} -> {now}): after the DTR scope closed and before backward,'
-        ' or by a kernel outside the dispatcher. A recomputation would read '
-        'the new values (R13).',
-        'run backward inside the DTR scope (DTRHook does), or write into a '
-        'copy (t = t.clone()) once the scope has closed.')
+        ' by another thread while it was open, or by a kernel outside the '
+        'dispatcher. A recomputation would read the new values (R13).',
+        'run backward inside the DTR scope (DTRHook does), write into a '
+        'copy (t = t.clone()) once the scope has closed, and write the '
+        "scope's tensors from its own thread.")
+
+
+def _written_unseen(rec, version):
+    """In scope: raise if a tensor over resident ``rec``, read as it is at
+    ``version``, was written where the engine did not see it (another
+    thread; R13)."""
+    if rec.version == version and not rec.exit_versions:
+        written = rec.written_unseen()
+        if written is not None:
+            t, before = written
+            raise _unseen_write(t.shape, before, t._version)
 
 
 def _reach(meta) -> int:
@@ -355,12 +367,15 @@ class Replayer:
         (see :meth:`_rebuild_steps`)."""
         if isinstance(a, RecordRef):
             rec = a.record
+            _written_unseen(rec, a.version)
             stale = bool(rec.exit_versions) and rec.version == a.version \
                 and _written_after_close(rec, rebuildable=True)
             wanted = [rec, a.version, stale]
             yield wanted  # materialize appends the storage
             return view_of(wanted.pop(), a.meta, rec.device)
         if isinstance(a, HeldRef):
+            if a.record is not None:
+                _written_unseen(a.record, a.version)
             if a.record is not None and a.record.exit_versions:
                 _written_after_close(a.record, rebuildable=False)
             if a.tracked is not None and a.tracked.exit_versions:

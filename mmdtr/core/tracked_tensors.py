@@ -36,16 +36,25 @@ class WeakList(list):
             self.prune()
         self.append(weakref.ref(obj))
 
+    #: Whether an object added again is kept once when the list is pruned
+    #: (a list of readers keeps one entry per read, R4).
+    unique = False
+
     def prune(self, unwanted=None) -> None:
-        """Drop the references to dead objects, and to those for which
-        ``unwanted(obj)`` is true if it is given."""
-        if unwanted is None:
-            self[:] = [ref for ref in self if ref() is not None]
-        else:
-            self[:] = [
-                ref for ref in self
-                if (obj := ref()) is not None and not unwanted(obj)
-            ]
+        """Drop the references to dead objects, to objects for which
+        ``unwanted(obj)`` is true if it is given, and, in a :attr:`unique`
+        list, repeated ones."""
+        kept, seen = [], set()
+        for ref in self:
+            obj = ref()
+            if obj is None or unwanted is not None and unwanted(obj):
+                continue
+            if self.unique:
+                if id(obj) in seen:
+                    continue
+                seen.add(id(obj))
+            kept.append(ref)
+        self[:] = kept
         self.prune_at = max(8, 2 * len(self))
 
     def live(self) -> list:
@@ -79,39 +88,88 @@ class WeakList(list):
         return False
 
 
+class TensorRefs(WeakList):
+    """Weak references to the tensors ops returned over one storage, each
+    kept once: a parameter written in place each iteration of a long scope
+    is returned again and again, between views of it that are not, and its
+    list grew by one reference per iteration (found by an adversarial
+    search, R10)."""
+    __slots__ = ()
+    unique = True
+
+
+def _moved(versions, cdata):
+    """``(tensor, version noted)`` of the first of ``versions`` (pairs of
+    a weak reference and a version) alive, still over storage ``cdata``,
+    whose counter moved since; else ``None``."""
+    for ref, version in versions or ():
+        t = ref()
+        if t is not None and t._version != version and \
+                t.untyped_storage()._cdata == cdata:
+            return t, version
+    return None
+
+
+def _stays(t, cdata) -> bool:
+    """Whether ``t`` is gone or not a view of a base moved off ``cdata``."""
+    return t is None or t._base is None or \
+        t._base.untyped_storage()._cdata == cdata
+
+
 class TrackedTensors:
     """Tracks tensors over one storage; a mixin for classes with the slots
-    ``tensors`` (``WeakList | None``), ``exit_versions`` (``tuple | None``)
-    and ``cdata`` (the storage's StorageImpl pointer)."""
+    ``tensors`` (``TensorRefs | None``), ``exit_versions`` (``tuple | None``),
+    ``synced`` (``tuple | None``) and ``cdata`` (the storage's StorageImpl
+    pointer)."""
     __slots__ = ()
 
     def track(self, tensor) -> None:
         """Remember a tensor an op returned over this storage (R13)."""
         if self.tensors is None:
-            self.tensors = WeakList()
+            self.tensors = TensorRefs()
         elif self.tensors[-1]() is tensor:
             return  # an in-place op returns its input
         self.tensors.add(tensor)
+
+    def _versions(self) -> tuple:
+        """``(weak reference, version)`` of each tracked tensor alive."""
+        return tuple((weakref.ref(t), t._version) for t in self.tensors.live()
+                     if not t.is_inference())  # no counter to read
 
     def close_versions(self) -> None:
         """At the end of the scope: note the version counter of each
         tracked tensor still alive (R13)."""
         if self.tensors is not None:
-            self.exit_versions = tuple(
-                (weakref.ref(t), t._version) for t in self.tensors.live()
-                if not t.is_inference())  # no counter to read
+            self.exit_versions = self._versions()
             self.tensors = None
+        self.synced = None
 
     def written_after_close(self):
         """``(tensor, version at the close)`` of a tracked tensor still
         over this storage whose counter moved since the scope closed, or
         ``None`` (R13)."""
-        for ref, version in self.exit_versions or ():
-            t = ref()
-            if t is not None and t._version != version and \
-                    t.untyped_storage()._cdata == self.cdata:
-                return t, version
-        return None
+        return _moved(self.exit_versions, self.cdata)
+
+    def sync(self) -> None:
+        """In scope, before a recipe reads the storage as it is: note the
+        tracked tensors' counters, unless noted since the last write the
+        engine saw (R13; :meth:`unsync` forgets them at each)."""
+        if self.synced is None and self.tensors is not None:
+            self.synced = self._versions()
+
+    def unsync(self) -> None:
+        """The engine saw a write to the storage: the counters moved."""
+        self.synced = None
+
+    def written_unseen(self):
+        """``(tensor, version noted)`` of a tracked tensor still over this
+        storage whose counter moved since :meth:`sync` although the engine
+        saw no write: another thread wrote it (R13); else ``None``. A view
+        whose base moved to another storage (``.data =``, ``set_``) shares
+        its counter with writes there, which the engine sees: not counted
+        (found by a review)."""
+        return _moved([(ref, version) for ref, version in self.synced or ()
+                       if _stays(ref(), self.cdata)], self.cdata)
 
 
 class UnrecordedTensors(TrackedTensors):
@@ -127,11 +185,11 @@ class UnrecordedTensors(TrackedTensors):
             dead (its pointer may be reused). ``None`` for one made in
             scope, whose entry goes when it is freed.
     """
-    __slots__ = ('tensors', 'exit_versions', 'cdata', 'storage')
+    __slots__ = ('tensors', 'exit_versions', 'synced', 'cdata', 'storage')
 
     def __init__(self, cdata: int, storage=None):
         self.cdata, self.storage = cdata, storage
-        self.tensors = self.exit_versions = None
+        self.tensors = self.exit_versions = self.synced = None
 
     def stale(self) -> bool:
         """Whether its storage from outside was freed."""

@@ -112,6 +112,9 @@ class Writes:
     def _before_write(self, t):
         storage = t.untyped_storage()
         cdata = storage._cdata
+        rec = self.records.get(cdata)
+        if rec is not None:  # counters move: a write the engine sees (R13)
+            rec.unsync()
         self._freeze_readers(cdata)
         for other in self._sharing_memory(storage, cdata):  # (R14)
             self._freeze_readers(other)
@@ -236,6 +239,7 @@ class Writes:
             shared = self.records.get(other)  # written too (R14)
             if shared is not None:
                 shared.version += 1
+                shared.unsync()
                 self._cap_hi(shared)
         rec = self.records.get(storage._cdata)
         if rec is None:  # one counted without a record may have grown
@@ -258,6 +262,7 @@ class Writes:
             rec.cost, rec.recipe_nbytes = 1.0, rec.nbytes
             self.unswept.add(rec)
         rec.version += 1
+        rec.unsync()
         if node is not None and rec.recomputable(rec.version - 1):
             if len(rec.mutations) >= MAX_MUTATIONS \
                     and rec.born < self.backward_clock:

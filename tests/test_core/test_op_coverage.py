@@ -193,6 +193,26 @@ def test_write_through_a_subclass_is_seen(same_under_dtr):
     assert same_under_dtr(step, setup).evictions > 0
 
 
+def test_write_through_a_wrapper_subclass_is_seen(same_under_dtr):
+    # a wrapper subclass writes the tensors it holds in its own dispatch,
+    # where the engine sees nothing: a recipe that read one rebuilt from
+    # the new values (found by a review: another gradient)
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def step():
+        w = torch.randn(64, requires_grad=True)
+        a, b = torch.randn(64) + 1, torch.randn(64) + 1
+        e = a.exp()  # reads a at version 0
+        loss = (e * w).sum()  # saves e, evicted
+        del e
+        TwoTensor(a, b).add_(1)
+        torch.randn(64).mul_(2)  # an op that evicts
+        loss.backward()
+        return [loss, w.grad, a, b]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
 @pytest.mark.parametrize(
     'make', [
         lambda: torch.randn(16, 16) * 1.0,

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtr.core.records import StorageRecord, counter_sharing_alias
-from mmdtr.core.tracked_tensors import WeakList
+from mmdtr.core.tracked_tensors import TensorRefs, WeakList
 
 
 def _record():
@@ -32,6 +32,18 @@ def test_user_refs_stay_short_when_users_come_and_go():
         users.add(_record())
     assert users.live() == [keep]
     assert len(users) <= 16
+
+
+def test_one_object_added_again_and_again_is_kept_once():
+    # a parameter written in place each iteration of a long scope is
+    # returned again between views of it that are not: its list grew by
+    # one reference per iteration (found by an adversarial search)
+    refs, keep = TensorRefs(), _record()
+    for _ in range(1000):
+        refs.add(keep)
+        refs.add(_record())  # a temporary view
+    assert refs.live() == [keep]
+    assert len(refs) <= 16
 
 
 def test_user_refs_adding_is_amortized_linear():

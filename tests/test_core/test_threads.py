@@ -10,6 +10,7 @@ import torch
 
 from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR
+from mmdtr.errors import MmdtrError
 
 _WAKE = {}
 
@@ -279,3 +280,75 @@ def test_engines_in_two_threads_freeing_each_others_storages():
     assert not any(thread.is_alive() for thread in threads), 'deadlock'
     assert not errors, errors[0]
     assert_thread_clean()
+
+
+def _read_then_written_elsewhere(write):
+    """A tensor made in scope and kept, read by a recipe whose output is
+    evicted, then written by ``write(h)``; the gradient a backward on this
+    thread gives (found by an adversarial search: written by another
+    thread, the engine did not see it and rebuilt from the new values)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    x = torch.randn(64)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1) as engine:
+        h = x * 2
+        y = (h * 3) * w
+        loss = y.sin().sum()  # saves y, which is evicted
+        del y
+        write(h)
+        loss.backward()
+    assert engine.stats.evictions > 0
+    return w.grad
+
+
+def _in_a_thread(fn):
+
+    def run(*args):
+        errors = []
+
+        def target():
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: B902
+                errors.append(e)
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+        assert not errors, errors
+
+    return run
+
+
+def test_a_write_in_scope_from_another_thread_is_refused():
+
+    def write(h):
+        h.add_(100.0)
+
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    x = torch.randn(64)
+    y = (x * 2 * 3) * w
+    y.sin().sum().backward()  # eager: the write comes after the read
+    assert torch.equal(_read_then_written_elsewhere(write), w.grad)
+    with pytest.raises(
+            MmdtrError, match='by another thread while it was '
+            'open'):
+        _read_then_written_elsewhere(_in_a_thread(write))
+
+
+def test_a_grad_accumulated_by_a_backward_in_another_thread_is_refused():
+    # AccumulateGrad of a backward run in another thread adds into a .grad
+    # made in scope, in place and out of the engine's sight; a recipe read
+    # that .grad (found by an adversarial search: another gradient)
+    torch.manual_seed(0)
+    w = torch.randn(16, requires_grad=True)
+    v = torch.randn(16, requires_grad=True)
+    with DTR(eviction_threshold=1, evictee_minimum_size=1):
+        (w * w).sum().backward()  # w.grad made in scope
+        y = w.grad * 2
+        loss = (y * v).sin().sum()  # saves y * v, evicted
+        del y
+        _in_a_thread(lambda: (w * 3).sum().backward())()
+        with pytest.raises(MmdtrError, match='by another thread'):
+            loss.backward()
