@@ -131,6 +131,7 @@ def translate_memory_keys(cfg: Config) -> Config:
         hooks.append(hook)
     _refuse_repeated_hooks(custom_hooks)
     _check_hook_arguments(custom_hooks)
+    _refuse_default_memory_hooks(cfg.get('default_hooks', None))
     for check in CONFIG_CHECKS:
         check(cfg, custom_hooks + hooks)
     out = copy.deepcopy(cfg)
@@ -323,6 +324,38 @@ def scope_registry(registry, scope):
         pass
     found = root._search_child(scope)
     return root if found is None else found
+
+
+def _refuse_default_memory_hooks(default_hooks) -> None:
+    """A hook of mmdtr's keys in ``default_hooks``: MMEngine builds any hook
+    there, but the checks above read ``custom_hooks`` and the keys, so a bad
+    value failed after the work dir was made, and the hook next to its key
+    ran twice (DTR's second engine refused at the first iteration; found by
+    an adversarial search)."""
+    if not isinstance(default_hooks, dict):
+        return  # MMEngine names it
+    for key, hook in default_hooks.items():
+        name = hook_name(hook)
+        if name not in MEMORY_KEY_HOOKS.values() or not _may_be_mmdtrs(hook):
+            continue
+        memory_key = next(k for k, v in MEMORY_KEY_HOOKS.items() if v == name)
+        raise MmdtrError(
+            f'default_hooks.{key}={hook!r}: mmdtr\'s {name} is configured '
+            'by its key or in custom_hooks, where its values and a second '
+            'configuration are checked before training; default_hooks are '
+            "MMEngine's own.",
+            hint=f'use the {memory_key} key, or move the hook to '
+            f"custom_hooks=[dict(type='mmdtr.{name}', ...)].")
+
+
+def _may_be_mmdtrs(hook) -> bool:
+    """Whether a hook config's type, or a hook object, may be mmdtr's: a
+    class of mmdtr's, ``'mmdtr.X'`` or a plain name; another scope's
+    (``'mmdet.DTRHook'``) is its own (a review)."""
+    kind = hook.get('type', None) if isinstance(hook, dict) else type(hook)
+    if isinstance(kind, str):
+        return '.' not in kind or kind.startswith('mmdtr.')
+    return inspect.isclass(kind) and kind.__module__.startswith('mmdtr.')
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:

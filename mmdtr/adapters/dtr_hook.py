@@ -87,8 +87,13 @@ def translate_dtr(value) -> dict:
         >>> # from the command line
         >>> # --cfg-options dtr.eviction_threshold=3GB
     """
-    if isinstance(value, Mapping) and \
-            not isinstance(value.get('policy'), (str, type(None))):
+    policy = value.get('policy') if isinstance(value, Mapping) else None
+    if isinstance(policy, (bool, int, float)):  # a value, not an object
+        raise MmdtrError(
+            f'{KEY}.policy={policy!r} is not accepted: a policy name '
+            f'({sorted(POLICIES)} or one registered).',
+            hint=f"e.g. {KEY}.policy='lru'.")
+    if policy is not None and not isinstance(policy, str):
         # the config dump failed on an object, in a raw traceback after the
         # work dir was made (found by an adversarial search); checked
         # before the engine's own, whose hint offers an EvictionPolicy

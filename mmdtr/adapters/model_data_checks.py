@@ -18,7 +18,8 @@ import numpy as np
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
 from mmdtr.utils.value_kinds import is_real
-from .config_translation import config_check
+from .config_translation import MEMORY_KEY_TRANSLATORS, config_check
+from .near_miss_keys import SETTING_SECTIONS, nested_key_error
 from .runner_config_checks import of_another_scope, refuse_unregistered
 
 #: DDP switches its C++ side refuses a string for (``'yes'`` failed in
@@ -30,17 +31,27 @@ WRAPPER_BOOLS = ('find_unused_parameters', 'broadcast_buffers')
 DATALOADERS = ('train_dataloader', 'val_dataloader')
 
 
-def _mmdtr_class(spec: dict, registry, default_scope):
+def _mmdtr_class(spec: dict, registry, default_scope, own: bool = True):
     """The class of mmdtr's that ``spec['type']`` names, or ``None``: a
     class of mmdtr's, ``'mmdtr.X'``, or a plain name under mmdtr's scope
-    (another scope's name is its own, even if spelt as one of mmdtr's)."""
+    (another scope's name is its own, even if spelt as one of mmdtr's).
+    ``own=False``: any class, or one registered in mmdtr's or MMEngine's
+    scope, or found there for a name without one (as mmdtr's runner finds
+    it)."""
     kind = spec.get('type', None)
     if isinstance(kind, str):
         scope, _, name = kind.rpartition('.')
-        if (scope or spec.get('_scope_', None) or default_scope) != 'mmdtr':
+        scope = scope or spec.get('_scope_', None) or default_scope
+        if own:
+            if scope != 'mmdtr':
+                return None
+            kind = registry.module_dict.get(name, None)
+        elif scope in (None, 'mmdtr', 'mmengine'):
+            kind = registry.get(name)  # mmdtr's, then MMEngine's
+        else:
             return None
-        kind = registry.module_dict.get(name, None)
-    if inspect.isclass(kind) and kind.__module__.startswith('mmdtr.'):
+    if inspect.isclass(kind) and (not own
+                                  or kind.__module__.startswith('mmdtr.')):
         return kind
     return None
 
@@ -181,6 +192,43 @@ def check_datasets(cfg, custom_hooks: list) -> None:
         data_cls = _mmdtr_class(data, DATASETS, scope)
         if data_cls is not None:
             _check_arguments(f'{loader}.dataset', data_cls, data)
+
+
+def _takes(cls, key: str) -> bool:
+    """Whether ``cls(**{key: ...})`` may be accepted: its signature names
+    ``key`` or takes ``**kwargs`` (or cannot be read)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return True
+    return key in params or any(p.kind is p.VAR_KEYWORD
+                                for p in params.values())
+
+
+@config_check
+def check_memory_keys_in_model(cfg, custom_hooks: list) -> None:
+    """mmdtr's memory keys and optimizer-wrapper settings inside ``model``
+    (``model.activation_checkpointing``, ``model.accumulative_counts``)
+    where the model's class is known (registered in mmdtr's or MMEngine's
+    scope, or given as a class in a new-style config) and does not take
+    them: MMEngine passed them to it, a raw ``TypeError`` after the work
+    dir was made (found by an adversarial search). DTR's own are refused
+    whatever the model (:mod:`~mmdtr.adapters.near_miss_keys`); another
+    model may take these names as arguments of its own.
+
+    Raises:
+        MmdtrError: On the first such key, naming where it belongs.
+    """
+    model = cfg.get('model', None)
+    if not isinstance(model, dict):
+        return
+    cls = _mmdtr_class(
+        model, MODELS, cfg.get('default_scope', None), own=False)
+    if cls is None:
+        return
+    for key in (*MEMORY_KEY_TRANSLATORS, *SETTING_SECTIONS):
+        if key in model and not _takes(cls, key):
+            raise nested_key_error('model', key, model[key])
 
 
 def _switch(value) -> bool:

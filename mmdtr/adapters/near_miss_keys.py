@@ -10,7 +10,8 @@ a key whose feature is on otherwise (a hook in ``custom_hooks``) is left
 alone. A setting given at the
 top level through ``--cfg-options`` is refused by
 :func:`refuse_top_level_settings`. One level too deep, in ``model`` or
-``train_cfg``, mmdtr's keys reach a constructor that takes none of them.
+``train_cfg``, mmdtr's keys reach a constructor that takes none of them, and
+``env_cfg`` ignores them.
 """
 import difflib
 import types
@@ -31,6 +32,7 @@ SETTING_SECTIONS = {
     'eviction_threshold': 'dtr',
     'evictee_minimum_size': 'dtr',
     'enable_sqrt_sampling': 'dtr',
+    'recording_threshold': 'dtr',
     'accumulative_counts': 'optim_wrapper',
     'step_in_backward': 'optim_wrapper',
 }
@@ -39,6 +41,9 @@ SETTING_SECTIONS = {
 OPTION_SETTINGS = {
     'policy': ('dtr', 'activation_checkpointing'),
     'modules': ('activation_checkpointing', 'efficient_conv_bn_eval'),
+    # the optimizer wrapper's, and common names for a config's variables
+    'clip_grad': ('optim_wrapper', ),
+    'amp': ('optim_wrapper', ),  # InplaceOptimWrapper's
 }
 
 
@@ -114,7 +119,7 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
     :data:`ALIASES`) while that key is absent, or a setting of
     :data:`SETTING_SECTIONS` while nothing that takes it is in the config
     (a variable its section reads is left alone), or mmdtr's key or
-    setting inside ``model`` or ``train_cfg``.
+    setting inside ``model``, ``train_cfg`` or ``env_cfg``.
 
     Args:
         cfg (Config): The config as loaded.
@@ -143,43 +148,61 @@ def refuse_near_misses(cfg, names: Iterable[str]) -> None:
 _DTR_SETTINGS = tuple(k for k, v in SETTING_SECTIONS.items() if v == 'dtr')
 #: MMEngine's train loops, which take none of mmdtr's keys.
 _MMENGINE_LOOPS = ('IterBasedTrainLoop', 'EpochBasedTrainLoop')
-_BUILT = dict(model='build of the model', train_cfg='build of the train loop')
+_BUILT = dict(
+    model="MMEngine's build of the model, not mmdtr (a TypeError after the "
+    'work dir is made, where it takes no such argument)',
+    train_cfg="MMEngine's build of the train loop, not mmdtr (a TypeError "
+    'after the work dir is made, where it takes no such argument)',
+    env_cfg="MMEngine's environment setup, which ignores it: training would "
+    'run without it')
+
+
+def nested_key_error(section: str, key: str, value) -> MmdtrError:
+    """The error for mmdtr's ``key`` (a memory key or a setting of
+    :data:`SETTING_SECTIONS`) given one level too deep, in ``section``
+    (``'model'``, ``'train_cfg'`` or ``'env_cfg'``)."""
+    where = SETTING_SECTIONS.get(key)
+    place = f'{where}.{key}' if where else f'the top-level {key} key'
+    if where:
+        option = f'{where}.{key}=...'
+    else:  # a memory key: a dict of settings, or module names
+        option = f'{key}.<setting>=...' if isinstance(value, Mapping) \
+            else f'{key}=...'
+    return MmdtrError(
+        f'{section}.{key}={value!r}: it is read only as {place}; in '
+        f'{section} it reaches {_BUILT[section]}.',
+        hint=f'move it to {place} (--cfg-options {option}).')
 
 
 def _refuse_nested(cfg, names: list) -> None:
     """Refuse mmdtr's keys one level too deep: in ``model`` (``dtr`` and
-    DTR's settings) and ``train_cfg`` (any of them; for a loop other than
-    MMEngine's, not ``accumulative_counts`` and ``step_in_backward``, which
-    another loop may take). MMEngine passed them to the constructor, which
-    failed in a raw ``TypeError`` after the work dir was made, and
-    ``--check-config`` accepted them (found by an adversarial search)."""
+    DTR's settings; the others where the model does not take them, in
+    :mod:`~mmdtr.adapters.model_data_checks`), ``train_cfg`` (any of them;
+    for a loop other than MMEngine's, not the optimizer wrapper's settings,
+    which another loop may take) and ``env_cfg`` (any). MMEngine passed them
+    to the constructor, which failed in a raw ``TypeError`` after the work
+    dir was made, and ``--check-config`` accepted them (found by an
+    adversarial search); ``env_cfg`` ignored them (found by another)."""
     loop = cfg.get('train_cfg')
     loop_type = loop.get('type', '') if isinstance(loop, Mapping) else ''
     # a new-style config's type is the class (a review)
     loop_type = loop_type.__name__ if isinstance(
         loop_type, type) else str(loop_type).split('.')[-1]
-    in_loop = list(names) + list(SETTING_SECTIONS)
+    every = list(names) + list(SETTING_SECTIONS)
+    in_loop = every
     if loop_type and loop_type not in _MMENGINE_LOOPS:
         in_loop = [
             k for k in in_loop if SETTING_SECTIONS.get(k) != 'optim_wrapper'
         ]
-    nested = (('model', ('dtr', ) + _DTR_SETTINGS), ('train_cfg', in_loop))
+    nested = (('model', ('dtr', ) + _DTR_SETTINGS), ('train_cfg', in_loop),
+              ('env_cfg', every))
     for section, keys in nested:
         value = cfg.get(section)
         if not isinstance(value, Mapping):
             continue
         for key in keys:
-            if key not in value:
-                continue
-            where = SETTING_SECTIONS.get(key)
-            place = f'{where}.{key}' if where else f'the top-level {key} key'
-            option = f'{where}.{key}=...' if where else f'{key}.<setting>=...'
-            raise MmdtrError(
-                f'{section}.{key}={value[key]!r}: it is read only as '
-                f'{place}; in {section} it reaches MMEngine\'s '
-                f'{_BUILT[section]}, not mmdtr (a TypeError after the work '
-                'dir is made, where it takes no such argument).',
-                hint=f'move it to {place} (--cfg-options {option}).')
+            if key in value:
+                raise nested_key_error(section, key, value[key])
 
 
 def refuse_top_level_settings(options: Mapping) -> None:
@@ -197,18 +220,22 @@ def refuse_top_level_settings(options: Mapping) -> None:
     Raises:
         MmdtrError: On the first such option.
     """
-    for key, value in options.items():
+    for option, value in options.items():
+        key = option.split('.')[0]  # clip_grad.max_norm=1 sets clip_grad
         if key in SETTING_SECTIONS:
-            raise _misplaced(key, value)
+            raise _misplaced(option, value, key=key)
         if key in OPTION_SETTINGS:
-            raise _misplaced(key, value, OPTION_SETTINGS[key])
+            raise _misplaced(option, value, OPTION_SETTINGS[key], key=key)
 
 
-def _misplaced(key: str, value, sections=None) -> MmdtrError:
+def _misplaced(given: str, value, sections=None, key=None) -> MmdtrError:
+    """The error for ``given=value`` at the top level, where ``key`` (its
+    first segment; ``given`` by default) is read only in ``sections``."""
+    key = key or given
     sections = sections or (SETTING_SECTIONS[key], )
     places = ' or '.join(f'{section}.{key}' for section in sections)
     return MmdtrError(
-        f'{key}={value!r} is a top-level key: mmdtr reads it only as '
+        f'{given}={value!r} is a top-level key: mmdtr reads it only as '
         f'{places}, so it would be ignored.',
-        hint=f'give it as {places} (--cfg-options {sections[0]}.{key}=...)'
+        hint=f'give it as {places} (--cfg-options {sections[0]}.{given}=...)'
         f', or, if it is a variable, use it in {" or ".join(sections)}.')

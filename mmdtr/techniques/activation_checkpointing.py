@@ -47,7 +47,7 @@ from mmdtr.errors import MmdtrError
 from .checkpoint_calls import (CallerContainersFirst, call_with_kwargs,
                                frozen_output)
 from .kept_outputs import KeptOutputs, written_kept_output
-from .module_selection import outermost, resolve_modules
+from .module_selection import called_modules, outermost, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
                                state_record, tracking_norms, watch_versions,
@@ -377,8 +377,10 @@ def apply_activation_checkpointing(model: nn.Module,
 
     All names and the policy are validated before any module is changed.
     When both a module and one of its descendants are selected, only the
-    outer one is wrapped. Applying again to a wrapped module updates its
-    policy. mmdtr's ``efficient_conv_bn_eval`` may come before or after.
+    outer one is wrapped; a container (``nn.ModuleList``, ``nn.ModuleDict``,
+    a module without a forward) stands for its members. Applying again to
+    a wrapped module updates its policy. mmdtr's ``efficient_conv_bn_eval``
+    may come before or after.
 
     Args:
         model (nn.Module): The model (unwrap DDP first: pass ``.module``).
@@ -393,7 +395,8 @@ def apply_activation_checkpointing(model: nn.Module,
     Raises:
         MmdtrError: On an unknown name, pattern, policy or op, or when a
             selected module sits inside a module whose forward was replaced
-            by a torch.fx trace (its own forward would never be called).
+            by a torch.fx trace (its own forward would never be called),
+            or a selected container holds no module with a forward.
 
     Examples:
         >>> apply_activation_checkpointing(model, 'backbone.layer*')
@@ -404,7 +407,8 @@ def apply_activation_checkpointing(model: nn.Module,
     """
     ops = normalize_policy(policy)
     found = resolve_modules(model, modules, key='activation_checkpointing')
-    names = outermost(list(found))
+    names = called_modules(model, outermost(list(found)),
+                           'activation_checkpointing')
     for name in names:
         _refuse_fused_conv(model, name)
         ancestor = _inlined_by(model, name)
@@ -418,7 +422,7 @@ def apply_activation_checkpointing(model: nn.Module,
                 'modules, or the traced module itself.',
                 hint=f'checkpoint {where} instead.')
     for name in names:
-        module = found[name]
+        module = model.get_submodule(name)
         if not is_checkpointed(module):
             if 'forward' in module.__dict__:
                 setattr(module, _ORIG_FORWARD, module.__dict__['forward'])

@@ -83,12 +83,13 @@ def as_name_list(patterns: Union[str, Sequence[str]], key: str) -> List[str]:
         MmdtrError: If ``patterns`` is not a non-empty str or a non-empty
             list/tuple of non-empty str.
     """
+    given = patterns
     if isinstance(patterns, str):
         patterns = [patterns]
     if (not isinstance(patterns, (list, tuple)) or not patterns
             or not all(isinstance(p, str) and p for p in patterns)):
         raise MmdtrError(
-            f'{key}={patterns!r} is not accepted: expected a module name or '
+            f'{key}={given!r} is not accepted: expected a module name or '
             'a non-empty list of module names (non-empty strings).',
             hint="e.g. 'backbone.layer1' or ['backbone.layer*', 'neck'].")
     return list(patterns)
@@ -172,3 +173,59 @@ def outermost(names: Sequence[str]) -> List[str]:
         return any('.'.join(parts[:i]) in chosen for i in range(1, len(parts)))
 
     return [name for name in names if not has_ancestor(name)]
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module without a forward of its own (``nn.ModuleList``,
+    ``nn.ModuleDict``, a plain ``nn.Module`` holding others): its parent
+    calls its members, never it."""
+    return 'forward' not in module.__dict__ and \
+        type(module).forward is nn.Module.forward
+
+
+def called_modules(model: nn.Module,
+                   names: Sequence[str],
+                   key: str = 'modules') -> List[str]:
+    """``names`` with each container among them replaced by its members,
+    recursively, so that a technique wrapping a module's forward wraps
+    modules that are called (``'blocks'``, an ``nn.ModuleList`` the model
+    loops over, selects each block; wrapping the list did nothing, found by
+    an adversarial search). A container holding no module with a forward
+    (an ``nn.ParameterList``, a holder of buffers) stands for nothing. Each
+    module is kept once.
+
+    Args:
+        model (nn.Module): The model the names are of.
+        names (Sequence[str]): Dotted module names, none inside another.
+        key (str): The config key being resolved, quoted in errors.
+
+    Returns:
+        list[str]: The names, containers replaced by their members'.
+
+    Raises:
+        MmdtrError: If ``names`` stand for no module with a forward.
+
+    Examples:
+        >>> called_modules(gpt, ['blocks', 'ln_final'])
+        ['blocks.0', 'blocks.1', ..., 'ln_final']
+    """
+    result, seen = [], set()
+
+    def add(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if not _is_container(module):
+            result.append(name)
+            return
+        for child, member in module.named_children():
+            add(f'{name}.{child}', member)
+
+    for name in names:
+        add(name, model.get_submodule(name))
+    if names and not result:
+        raise MmdtrError(
+            f'{key}: {list(names)} hold no module with a forward of its '
+            'own: nothing of them is ever called to be wrapped.',
+            hint='select the modules that their parents call.')
+    return result

@@ -79,6 +79,12 @@ def test_translate_accepted(value, hook_cfg):
          'registered), not objects. Hint: register the class'),
         (dict(eviction_threshold='1GB',
               policy=object()), 'is not accepted in a config'),
+        # a number got the hint about objects (found by an adversarial
+        # search)
+        (dict(eviction_threshold='1GB', policy=123),
+         "dtr.policy=123 is not accepted: a policy name (['dtr', "
+         "'dtr_local', 'largest', 'lru'] or one registered). Hint: e.g. "
+         "dtr.policy='lru'."),
         # no closest match for a name in another case (an adversarial
         # search)
         (dict(eviction_threshold='1GB', policy='LRU'),

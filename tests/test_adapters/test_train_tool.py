@@ -155,6 +155,14 @@ def test_amp_with_another_wrapper_points_to_its_own_amp(
          'activation_checkpointing.policy'),
         (['modules=backbone'], 'only as activation_checkpointing.modules or '
          'efficient_conv_bn_eval.modules'),
+        # a dotted option sets the top-level key of its first segment, and
+        # recording_threshold is DTR's too: each trained without it (found
+        # by an adversarial search)
+        (['clip_grad.max_norm=0.001'], r'clip_grad.max_norm=0.001 is a '
+         r'top-level key: mmdtr reads it only as optim_wrapper.clip_grad.*'
+         r'--cfg-options optim_wrapper.clip_grad.max_norm=\.\.\.'),
+        (['amp.dtype=bfloat16'], 'only as optim_wrapper.amp'),
+        (['recording_threshold=None'], 'only as dtr.recording_threshold'),
     ])
 def test_bad_cfg_options_raise(train_tool, toy_config, options, match):
     with pytest.raises(MmdtrError, match=match):

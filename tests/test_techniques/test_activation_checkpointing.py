@@ -330,6 +330,35 @@ def test_module_writing_a_tensor_it_saved_is_bit_identical(policy):
                           _train_steps(ckpt, inputs, labels))
 
 
+def test_a_container_stands_for_its_members():
+    # an nn.ModuleList the model loops over is never called: wrapping it
+    # checkpointed nothing, and '**' wrapped it instead of the blocks (found
+    # by an adversarial search)
+    torch.manual_seed(0)
+    plain = Transformer()
+    ckpt = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(
+        ckpt, 'blocks') == ['blocks.0', 'blocks.1']
+    assert is_checkpointed(ckpt.blocks[1])
+    assert not is_checkpointed(ckpt.blocks)
+    assert apply_activation_checkpointing(
+        copy.deepcopy(plain), '**') == ['blocks.0', 'blocks.1', 'head']
+    inputs, labels = _token_batch()
+    _assert_bit_identical(plain, ckpt, _train_steps(plain, inputs, labels),
+                          _train_steps(ckpt, inputs, labels))
+    model = Transformer()
+    model.extra = nn.ModuleDict({'empty': nn.ModuleList()})
+    with pytest.raises(
+            MmdtrError,
+            match=r"\['extra'\] hold no module with "
+            'a forward of its own'):
+        apply_activation_checkpointing(model, ['extra'])
+    # a holder of nothing callable stands for nothing (a review: '**'
+    # refused every model holding an nn.ParameterList)
+    assert apply_activation_checkpointing(
+        model, '*') == ['blocks.0', 'blocks.1', 'head']
+
+
 def test_nested_selection_wraps_outermost_only():
     model = ConvNet()
     assert apply_activation_checkpointing(model, [

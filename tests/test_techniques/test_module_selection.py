@@ -1,11 +1,12 @@
 """Module names and glob patterns resolved against named_modules()."""
 import pytest
+import torch
 import torch.nn as nn
 
 from mmdtr.errors import MmdtrError
-from mmdtr.techniques.module_selection import (as_name_list, closest_names,
-                                               match_pattern, outermost,
-                                               resolve_modules)
+from mmdtr.techniques.module_selection import (as_name_list, called_modules,
+                                               closest_names, match_pattern,
+                                               outermost, resolve_modules)
 
 
 def _model():
@@ -76,6 +77,30 @@ def test_far_off_name_lists_top_level_modules():
 def test_malformed_values(value):
     with pytest.raises(MmdtrError, match='is not accepted'):
         as_name_list(value, 'mykey')
+
+
+def test_malformed_value_is_named_as_given():
+    with pytest.raises(MmdtrError, match="mykey='' is not accepted"):
+        as_name_list('', 'mykey')
+
+
+def test_containers_stand_for_their_members():
+    model = _model()  # backbone: a plain Module, which nothing calls
+    model.heads = nn.ModuleList(
+        [nn.Linear(1, 1), nn.ModuleDict({'a': model.neck})])
+    assert called_modules(model, ['backbone', 'heads']) == [
+        'backbone.layer1', 'backbone.layer2', 'backbone.layer3',
+        'backbone.stem', 'heads.0', 'heads.1.a'
+    ]
+    assert called_modules(model, ['neck', 'heads']) == ['neck', 'heads.0']
+    # holders of parameters or buffers stand for nothing (a review: '**'
+    # refused every model holding one)
+    model.empty = nn.ModuleList()
+    model.pos = nn.ParameterList([nn.Parameter(torch.zeros(1))])
+    assert called_modules(model, ['neck', 'empty', 'pos']) == ['neck']
+    with pytest.raises(
+            MmdtrError, match=r"mykey: \['empty', 'pos'\] hold no module"):
+        called_modules(model, ['empty', 'pos'], 'mykey')
 
 
 def test_outermost_and_closest():
