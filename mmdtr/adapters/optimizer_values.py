@@ -1,7 +1,8 @@
-"""The values of a PyTorch optimizer's config, checked when the config is
-read: ``optim_wrapper.optimizer.lr='abc'`` failed in ``torch.optim``'s
+"""The optimizer of an ``optim_wrapper`` config, checked when the config is
+read: there at all (:func:`refuse_missing_optimizer`), and its values
+(``optim_wrapper.optimizer.lr='abc'`` failed in ``torch.optim``'s
 ``__init__`` inside ``runner.train()``, in a raw ``TypeError``, after the
-work dir was made."""
+work dir was made)."""
 import inspect
 
 import torch
@@ -89,3 +90,29 @@ def _lr_required(cls) -> bool:
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
+def refuse_missing_optimizer(optim_wrapper: dict) -> None:
+    """MMEngine builds one wrapper from ``optim_wrapper.optimizer``; a dict
+    without it and without a constructor must hold wrappers already built,
+    one per optimizer, and the default constructor asserts it is there.
+    Anything else failed in ``runner.train()``, in a ``ValueError`` about
+    "optimizer objects" (found by an adversarial search:
+    ``dict(type='InplaceOptimWrapper', step_in_backward=True)``,
+    ``dict(accumulative_counts=2)``)."""
+    from mmengine.optim import OptimWrapper
+    if 'optimizer' in optim_wrapper or ('constructor' not in optim_wrapper
+                                        and all(
+                                            isinstance(w, OptimWrapper)
+                                            for w in optim_wrapper.values())):
+        return
+    raise MmdtrError(
+        f'optim_wrapper={optim_wrapper!r} has no optimizer: MMEngine builds '
+        'the wrapper around optim_wrapper.optimizer (a dict without it, and '
+        'without a constructor, is read as wrappers already built, one per '
+        'optimizer).',
+        hint="add one, e.g. optimizer=dict(type='SGD', lr=0.01) "
+        '(--cfg-options optim_wrapper.optimizer.type=SGD '
+        'optim_wrapper.optimizer.lr=0.01); for several optimizers, name a '
+        "constructor (constructor='MultiOptimWrapperConstructor') and give "
+        'one wrapper config per optimizer.')

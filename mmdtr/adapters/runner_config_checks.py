@@ -22,7 +22,7 @@ from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)
-from .optimizer_values import check_optimizer_values
+from .optimizer_values import check_optimizer_values, refuse_missing_optimizer
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -291,33 +291,7 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
             # MMEngine's own: an assertion or a ValueError in train()
             clip_grad_settings(wrapper.get('clip_grad', None), False)
     if default and optim_wrapper:  # after its wrappers' own keys
-        _refuse_missing_optimizer(optim_wrapper)
-
-
-def _refuse_missing_optimizer(optim_wrapper: dict) -> None:
-    """MMEngine builds one wrapper from ``optim_wrapper.optimizer``; a dict
-    without it and without a constructor must hold wrappers already built,
-    one per optimizer, and the default constructor asserts it is there.
-    Anything else failed in ``runner.train()``, in a ``ValueError`` about
-    "optimizer objects" (found by an adversarial search:
-    ``dict(type='InplaceOptimWrapper', step_in_backward=True)``,
-    ``dict(accumulative_counts=2)``)."""
-    from mmengine.optim import OptimWrapper
-    if 'optimizer' in optim_wrapper or ('constructor' not in optim_wrapper
-                                        and all(
-                                            isinstance(w, OptimWrapper)
-                                            for w in optim_wrapper.values())):
-        return
-    raise MmdtrError(
-        f'optim_wrapper={optim_wrapper!r} has no optimizer: MMEngine builds '
-        'the wrapper around optim_wrapper.optimizer (a dict without it, and '
-        'without a constructor, is read as wrappers already built, one per '
-        'optimizer).',
-        hint="add one, e.g. optimizer=dict(type='SGD', lr=0.01) "
-        '(--cfg-options optim_wrapper.optimizer.type=SGD '
-        'optim_wrapper.optimizer.lr=0.01); for several optimizers, name a '
-        "constructor (constructor='MultiOptimWrapperConstructor') and give "
-        'one wrapper config per optimizer.')
+        refuse_missing_optimizer(optim_wrapper)
 
 
 def _check_optimizer_key(wrapper: dict, default_scope) -> None:
