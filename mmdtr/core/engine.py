@@ -94,10 +94,11 @@ def _written_parts(t) -> list:
     """
     flatten = getattr(t, '__tensor_flatten__', None)
     if flatten is not None and type(t) not in _PLAIN:
-        names = flatten()[0]
+        inner = (getattr(t, name, None) for name in flatten()[0])
+        # an optional part may be None (a review)
         return [
-            part for name in names
-            for part in _written_parts(getattr(t, name))
+            part for p in inner if isinstance(p, torch.Tensor)
+            for part in _written_parts(p)
         ]
     return [t] if _has_storage(t) else []
 
@@ -278,17 +279,16 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         readers are frozen first and no recipe replays it (R5, R7).
         """
         info = op_info(func)
-        writes = ()
+        writes = given = ()
         if info.written_args or info.side_effect_args:
-            writes = [
-                part for w in self._writes(info, args, kwargs)[0]
-                for part in _written_parts(w)
-            ]
+            given = self._writes(info, args, kwargs)[0]
+            writes = [part for w in given for part in _written_parts(w)]
             for w in writes:
                 self._before_write(w)
-        counted = versions_before([w for w in writes
-                                   if type(w) in _PLAIN]  # what eager bumps
-                                  ) if info.versions_lists else None
+        # what eager bumps: the plain tensors given, not a subclass's parts
+        # (a review: bumped, they failed autograd's saved-tensor check)
+        plain = [w for w in given if type(w) in _PLAIN]
+        counted = versions_before(plain) if info.versions_lists else None
         try:
             # a subclass's own Python runs unlocked, but for a write (the
             # race of on_op; found by a review)

@@ -21,22 +21,22 @@ def reads_in_a_rebuild(rec) -> int:
     argument; a record reading it twice counts twice), or
     :data:`UNCOUNTED_READS` when such a record may be rebuilt more than
     once in one rebuild, each time replaying its creator: written in place
-    since and read at two or more versions, or stale (written after the
-    scope closed or shrunk below the dispatcher, R13: rebuilt for each
-    read). All found by reviews.
-    Arguments of recipes dropped since count too, so it is never below the
-    reads a rebuild makes (R4); readers frozen by a write to it are no
-    longer listed, and read it no more (R7)."""
+    since and read at two or more versions, or stale (written where the
+    engine did not see it, after the scope closed or by another thread, or
+    shrunk below the dispatcher, R13: rebuilt for each read). All found by
+    reviews. Arguments of recipes dropped since count too, so it is never
+    below the reads a rebuild makes (R4); readers frozen by a write to it
+    are no longer listed, and read it no more (R7)."""
     reads = 0
     # a copy: a collection inside the loop may prune the list (R12)
     for ref in tuple(rec.users or ()):
         user = ref()
         if user is None:
             continue
-        # stale: written after the scope closed (None while not resident)
-        # or shrunk below the dispatcher (R13)
+        # stale: written unseen (None while not resident) or shrunk below
+        # the dispatcher (R13)
         if user.mutations and _versions_read(user) > 1 or \
-                user.written_after_close() is not None or \
+                user.written_unseen() is not None or \
                 shrank(user, user.storage()):
             return UNCOUNTED_READS
         reads += 1

@@ -92,17 +92,6 @@ def _unseen_write(shape, before, now) -> MmdtrError:
         "scope's tensors from its own thread.")
 
 
-def _written_unseen(rec, version):
-    """In scope: raise if a tensor over resident ``rec``, read as it is at
-    ``version``, was written where the engine did not see it (another
-    thread; R13)."""
-    if rec.version == version and not rec.exit_versions:
-        written = rec.written_unseen()
-        if written is not None:
-            t, before = written
-            raise _unseen_write(t.shape, before, t._version)
-
-
 def _reach(meta) -> int:
     """Bytes of its storage a view with ``meta`` (see ``view_meta``) reads,
     from the storage's start."""
@@ -133,12 +122,15 @@ def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
         'backward (R13).')
 
 
-def _written_after_close(rec, rebuildable):
-    """Whether a tensor over resident ``rec`` was written after the scope
-    closed (R13): then a recipe must not read it as it is. Raises if the
-    version the recipe read cannot be rebuilt instead (``rebuildable``
-    False, or outside ``lo..hi``)."""
-    written = rec.written_after_close()  # None while evicted
+def _written_unseen(rec, rebuildable):
+    """Whether a tensor over resident ``rec`` was written where the engine
+    did not see it (R13): after the scope closed, or, in scope, by another
+    thread (or so its counter says: one shared with a tensor moved to
+    another storage moves with writes there). Then a recipe must not read
+    it as it is: the version it read is rebuilt from its own recipe, exact
+    either way. Raises if that cannot be (``rebuildable`` False, or outside
+    ``lo..hi``)."""
+    written = rec.written_unseen()  # None while evicted
     if written is None:
         return False
     if rebuildable and rec.recomputable(rec.version):
@@ -367,19 +359,16 @@ class Replayer:
         (see :meth:`_rebuild_steps`)."""
         if isinstance(a, RecordRef):
             rec = a.record
-            _written_unseen(rec, a.version)
-            stale = bool(rec.exit_versions) and rec.version == a.version \
-                and _written_after_close(rec, rebuildable=True)
+            stale = rec.version == a.version and _written_unseen(
+                rec, rebuildable=True)
             wanted = [rec, a.version, stale]
             yield wanted  # materialize appends the storage
             return view_of(wanted.pop(), a.meta, rec.device)
         if isinstance(a, HeldRef):
             if a.record is not None:
-                _written_unseen(a.record, a.version)
-            if a.record is not None and a.record.exit_versions:
-                _written_after_close(a.record, rebuildable=False)
-            if a.tracked is not None and a.tracked.exit_versions:
-                _written_after_close(a.tracked, rebuildable=False)
+                _written_unseen(a.record, rebuildable=False)
+            if a.tracked is not None:
+                _written_unseen(a.tracked, rebuildable=False)
             if a.current_version() != a.version:
                 raise _unseen_write(a.tensor.shape, a.version,
                                     a.current_version())

@@ -144,12 +144,6 @@ class TrackedTensors:
             self.tensors = None
         self.synced = None
 
-    def written_after_close(self):
-        """``(tensor, version at the close)`` of a tracked tensor still
-        over this storage whose counter moved since the scope closed, or
-        ``None`` (R13)."""
-        return _moved(self.exit_versions, self.cdata)
-
     def sync(self) -> None:
         """In scope, before a recipe reads the storage as it is: note the
         tracked tensors' counters, unless noted since the last write the
@@ -163,11 +157,14 @@ class TrackedTensors:
 
     def written_unseen(self):
         """``(tensor, version noted)`` of a tracked tensor still over this
-        storage whose counter moved since :meth:`sync` although the engine
-        saw no write: another thread wrote it (R13); else ``None``. A view
-        whose base moved to another storage (``.data =``, ``set_``) shares
-        its counter with writes there, which the engine sees: not counted
-        (found by a review)."""
+        storage whose counter moved although the engine saw no write: since
+        the scope closed, or, in scope, since :meth:`sync` (another thread
+        wrote it); else ``None`` (R13). In scope a view whose base moved to
+        another storage (``.data =``, ``set_``) is not counted: it shares
+        its counter with writes there, which the engine sees (found by a
+        review)."""
+        if self.exit_versions:
+            return _moved(self.exit_versions, self.cdata)
         return _moved([(ref, version) for ref, version in self.synced or ()
                        if _stays(ref(), self.cdata)], self.cdata)
 

@@ -213,6 +213,45 @@ def test_write_through_a_wrapper_subclass_is_seen(same_under_dtr):
     assert same_under_dtr(step).recomputations > 0
 
 
+class _OptionalPart(torch.Tensor):
+    """A wrapper subclass whose ``__tensor_flatten__`` lists a part that
+    may be ``None``, and a number."""
+
+    @staticmethod
+    def __new__(cls, a):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, a.shape, dtype=a.dtype, device=a.device)
+
+    def __init__(self, a):
+        self.a, self.b, self.n = a, None, 3
+
+    def __tensor_flatten__(self):
+        return ['a', 'b', 'n'], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        inner = [x.a if isinstance(x, _OptionalPart) else x for x in args]
+        func(*inner, **(kwargs or {}))
+        return args[0]  # in-place ops only, here
+
+
+def test_write_through_a_wrapper_with_an_optional_part(same_under_dtr):
+    # a part listed but None (or not a tensor) raised AttributeError in the
+    # engine (a review)
+    def step():
+        w = torch.randn(64, requires_grad=True)
+        a = torch.randn(64) + 1
+        e = a.exp()
+        loss = (e * w).sum()
+        del e
+        _OptionalPart(a).add_(1)
+        torch.randn(64).mul_(2)  # an op that evicts
+        loss.backward()
+        return [loss, w.grad, a]
+
+    assert same_under_dtr(step).recomputations > 0
+
+
 @pytest.mark.parametrize(
     'make', [
         lambda: torch.randn(16, 16) * 1.0,

@@ -157,28 +157,31 @@ def test_input_freed_below_the_dispatcher_is_refused():
             y.backward()
 
 
-@pytest.mark.parametrize('swap', ['data', 'set_'])
-def test_a_write_after_a_base_moved_off_a_read_view_runs(swap, same_under_dtr):
-    # the base moved to another storage keeps the counter it shares with
-    # its view left on the old one; a write there, which the engine sees,
-    # moved the view's counter, and the in-scope check for writes from
-    # another thread (R13) refused (found by a review)
+@pytest.mark.parametrize('swap', ['data', 'set_', 'detach', 'view'])
+def test_a_write_after_a_tensor_moved_off_a_read_storage_runs(
+        swap, same_under_dtr):
+    # a tensor moved to another storage keeps the counter it shares with
+    # the tensors left on the old one (its views, its detach(), its base);
+    # a write there, which the engine sees, moved their counter, and the
+    # in-scope check for writes from another thread (R13) refused (found
+    # by two reviews); the version read is rebuilt instead
     w = torch.randn(50, requires_grad=True)
 
     def step():
         w.grad = None
         x = torch.randn(100) + 1
-        v = x[:50]
-        e = v.exp()  # reads v as it is
+        left = x.detach() if swap == 'detach' else x[:50]
+        moved = left if swap == 'view' else x
+        e = left[:50].exp()  # reads the storage as it is
         loss = (e * w).sum()  # saves e, evicted
         del e
-        if swap == 'data':
-            x.data = torch.zeros(100)
-        else:
+        if swap == 'set_':
             x.set_(torch.zeros(100))
-            loss = loss + (v.sin() * w).sum()  # a read of v after set_
-        x.add_(1)
+            loss = loss + (left.sin() * w).sum()  # a read after set_
+        else:
+            moved.data = torch.zeros(moved.shape)
+        moved.add_(1)
         loss.backward()
-        return [loss, w.grad, x, v]
+        return [loss, w.grad, x, left]
 
     assert same_under_dtr(step).recomputations > 0

@@ -320,8 +320,9 @@ def _in_a_thread(fn):
     return run
 
 
-def test_a_write_in_scope_from_another_thread_is_refused():
-
+def test_a_write_in_scope_from_another_thread_is_not_read():
+    # the version the recipe read is rebuilt from its own recipe, as after
+    # the scope (R13); it read the new values before
     def write(h):
         h.add_(100.0)
 
@@ -331,10 +332,8 @@ def test_a_write_in_scope_from_another_thread_is_refused():
     y = (x * 2 * 3) * w
     y.sin().sum().backward()  # eager: the write comes after the read
     assert torch.equal(_read_then_written_elsewhere(write), w.grad)
-    with pytest.raises(
-            MmdtrError, match='by another thread while it was '
-            'open'):
-        _read_then_written_elsewhere(_in_a_thread(write))
+    assert torch.equal(
+        _read_then_written_elsewhere(_in_a_thread(write)), w.grad)
 
 
 def test_a_grad_accumulated_by_a_backward_in_another_thread_is_refused():

@@ -192,5 +192,7 @@ def test_foreach_on_wrapper_subclasses_bumps_nothing():
         with DTR(eviction_threshold='1GB') if under_dtr \
                 else torch.enable_grad():
             torch._foreach_add_([a, a], 1.0)
-        versions.append(a._version)
+        # nor those of the tensors it holds (a review: bumped once the
+        # engine saw them written, they failed autograd's check)
+        versions.append((a._version, a.a._version, a.b._version))
     assert versions[0] == versions[1]
