@@ -11,7 +11,8 @@ from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
 from mmdtr.techniques.activation_checkpointing import \
     apply_activation_checkpointing
-from mmdtr.techniques.module_selection import as_name_list, resolve_modules
+from mmdtr.techniques.module_selection import (as_name_list, called_modules,
+                                               outermost, resolve_modules)
 from mmdtr.techniques.selective_policy import POLICIES, normalize_policy
 from .config_translation import memory_key, refuse_runner_key
 
@@ -73,6 +74,17 @@ def translate_activation_checkpointing(value) -> dict:
         policy=policy)
 
 
+def _selected(model, modules) -> dict:
+    """The modules ``modules`` select, by name, with the members of the
+    containers among them, which are the ones wrapped (a review: two hooks
+    with other policies, one selecting ``'blocks'``, the other
+    ``'blocks.0'``, wrapped ``blocks.0`` twice, unrefused)."""
+    found = resolve_modules(model, modules, KEY)
+    for name in called_modules(model, outermost(list(found)), KEY):
+        found.setdefault(name, model.get_submodule(name))
+    return found
+
+
 @HOOKS.register_module()
 class ActivationCheckpointingHook(Hook):
     """Checkpoint the activations of sub-modules before training starts.
@@ -116,7 +128,7 @@ class ActivationCheckpointingHook(Hook):
         refuse_runner_key(runner, KEY, self)
         model = runner.model
         model = model.module if is_model_wrapper(model) else model
-        found = resolve_modules(model, self.modules, KEY)
+        found = _selected(model, self.modules)
         self._refuse_other_policies(runner, model, found)
 
     def _refuse_other_policies(self, runner, model, found: dict) -> None:
@@ -128,7 +140,7 @@ class ActivationCheckpointingHook(Hook):
                     other, ActivationCheckpointingHook) or normalize_policy(
                         other.policy) == normalize_policy(self.policy):
                 continue
-            theirs = resolve_modules(model, other.modules, KEY)
+            theirs = _selected(model, other.modules)
             ids = {id(module) for module in theirs.values()}
             both = [name for name, m in found.items() if id(m) in ids]
             if both:

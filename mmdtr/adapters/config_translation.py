@@ -131,7 +131,8 @@ def translate_memory_keys(cfg: Config) -> Config:
         hooks.append(hook)
     _refuse_repeated_hooks(custom_hooks)
     _check_hook_arguments(custom_hooks)
-    _refuse_default_memory_hooks(cfg.get('default_hooks', None))
+    _refuse_default_memory_hooks(
+        cfg.get('default_hooks', None), cfg.get('default_scope', None))
     for check in CONFIG_CHECKS:
         check(cfg, custom_hooks + hooks)
     out = copy.deepcopy(cfg)
@@ -326,7 +327,7 @@ def scope_registry(registry, scope):
     return root if found is None else found
 
 
-def _refuse_default_memory_hooks(default_hooks) -> None:
+def _refuse_default_memory_hooks(default_hooks, default_scope) -> None:
     """A hook of mmdtr's keys in ``default_hooks``: MMEngine builds any hook
     there, but the checks above read ``custom_hooks`` and the keys, so a bad
     value failed after the work dir was made, and the hook next to its key
@@ -336,7 +337,8 @@ def _refuse_default_memory_hooks(default_hooks) -> None:
         return  # MMEngine names it
     for key, hook in default_hooks.items():
         name = hook_name(hook)
-        if name not in MEMORY_KEY_HOOKS.values() or not _may_be_mmdtrs(hook):
+        if name not in MEMORY_KEY_HOOKS.values() or not _may_be_mmdtrs(
+                hook, default_scope):
             continue
         memory_key = next(k for k, v in MEMORY_KEY_HOOKS.items() if v == name)
         raise MmdtrError(
@@ -348,13 +350,17 @@ def _refuse_default_memory_hooks(default_hooks) -> None:
             f"custom_hooks=[dict(type='mmdtr.{name}', ...)].")
 
 
-def _may_be_mmdtrs(hook) -> bool:
+def _may_be_mmdtrs(hook, default_scope) -> bool:
     """Whether a hook config's type, or a hook object, may be mmdtr's: a
-    class of mmdtr's, ``'mmdtr.X'`` or a plain name; another scope's
-    (``'mmdet.DTRHook'``) is its own (a review)."""
+    class of mmdtr's, ``'mmdtr.X'``, or a plain name under mmdtr's scope or
+    none; another scope's (``'mmdet.DTRHook'``, or a plain name under
+    ``_scope_='mmdet'``) is its own (two reviews)."""
     kind = hook.get('type', None) if isinstance(hook, dict) else type(hook)
     if isinstance(kind, str):
-        return '.' not in kind or kind.startswith('mmdtr.')
+        if '.' in kind:
+            return kind.startswith('mmdtr.')
+        scope = hook.get('_scope_', None) or default_scope
+        return scope in (None, 'mmdtr')
     return inspect.isclass(kind) and kind.__module__.startswith('mmdtr.')
 
 

@@ -3,6 +3,7 @@ import glob
 import os.path as osp
 
 import pytest
+import torch.nn as nn
 from mmengine.runner import Runner
 
 from mmdtr.adapters.activation_checkpointing_hook import (
@@ -192,3 +193,26 @@ def test_one_module_two_hooks_needs_one_policy(make_cfg, tmp_path, second,
         runner.train()
     assert not is_checkpointed(runner.model.backbone.layer1)
     assert not is_checkpointed(runner.model.backbone.layer2)
+
+
+@pytest.mark.needs_selective_checkpointing
+def test_a_container_counts_as_its_members_for_the_policy_check():
+    # one hook selecting 'blocks', an nn.ModuleList, wraps blocks.0, which
+    # another hook selected with another policy: the last applied won,
+    # unrefused (a review)
+    from types import SimpleNamespace
+
+    from mmengine.config import Config
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    mine = ActivationCheckpointingHook('blocks')
+    theirs = ActivationCheckpointingHook(
+        'blocks.0', policy='save_compute_heavy')
+    runner = SimpleNamespace(
+        model=model, hooks=[mine, theirs], cfg=Config(dict()))
+    for hook in (mine, theirs):
+        with pytest.raises(
+                MmdtrError,
+                match="'blocks.0' is selected by two "
+                'ActivationCheckpointingHooks'):
+            hook.before_run(runner)

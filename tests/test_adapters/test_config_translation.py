@@ -427,8 +427,10 @@ def test_a_memory_hook_in_default_hooks_is_refused(make_cfg, tmp_path):
     cfg.default_hooks['ac'] = dict(type='mmdtr.DTRHook', eviction_threshold=1)
     with pytest.raises(MmdtrError, match='use the dtr key'):
         translate_memory_keys(cfg)
-    cfg.default_hooks['ac'] = dict(type='mmdet.DTRHook')  # not mmdtr's
-    translate_memory_keys(cfg)
+    for other in (dict(type='mmdet.DTRHook'),
+                  dict(type='DTRHook', _scope_='mmdet')):  # not mmdtr's
+        cfg.default_hooks['ac'] = other
+        translate_memory_keys(cfg)
 
 
 @pytest.mark.parametrize('optim_wrapper', [
