@@ -431,6 +431,9 @@ def test_a_memory_hook_in_default_hooks_is_refused(make_cfg, tmp_path):
                   dict(type='DTRHook', _scope_='mmdet')):  # not mmdtr's
         cfg.default_hooks['ac'] = other
         translate_memory_keys(cfg)
+    cfg.default_hooks['ac'] = dict(type='DTRHook')
+    cfg.default_scope = 'mmdet'  # looked up in mmdet's registry
+    translate_memory_keys(cfg)
 
 
 @pytest.mark.parametrize('optim_wrapper', [
