@@ -12,7 +12,7 @@ from mmdtr.registry import HOOKS
 from mmdtr.techniques.activation_checkpointing import \
     apply_activation_checkpointing
 from mmdtr.techniques.module_selection import (as_name_list, called_modules,
-                                               outermost, resolve_modules)
+                                               resolve_modules)
 from mmdtr.techniques.selective_policy import POLICIES, normalize_policy
 from .config_translation import memory_key, refuse_runner_key
 
@@ -80,7 +80,7 @@ def _selected(model, modules) -> dict:
     with other policies, one selecting ``'blocks'``, the other
     ``'blocks.0'``, wrapped ``blocks.0`` twice, unrefused)."""
     found = resolve_modules(model, modules, KEY)
-    for name in called_modules(model, outermost(list(found)), KEY):
+    for name in called_modules(model, list(found), KEY):
         found.setdefault(name, model.get_submodule(name))
     return found
 

@@ -46,7 +46,7 @@ def _mmdtr_class(spec: dict, registry, default_scope, own: bool = True):
             if scope != 'mmdtr':
                 return None
             kind = registry.module_dict.get(name, None)
-        elif scope in (None, 'mmdtr', 'mmengine'):
+        elif not of_another_scope(kind, scope):
             kind = registry.get(name)  # mmdtr's, then MMEngine's
         else:
             return None

@@ -47,7 +47,7 @@ from mmdtr.errors import MmdtrError
 from .checkpoint_calls import (CallerContainersFirst, call_with_kwargs,
                                frozen_output)
 from .kept_outputs import KeptOutputs, written_kept_output
-from .module_selection import called_modules, outermost, resolve_modules
+from .module_selection import called_modules, resolve_modules
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
                                state_record, tracking_norms, watch_versions,
@@ -396,7 +396,8 @@ def apply_activation_checkpointing(model: nn.Module,
         MmdtrError: On an unknown name, pattern, policy or op, or when a
             selected module sits inside a module whose forward was replaced
             by a torch.fx trace (its own forward would never be called),
-            or a selected container holds no module with a forward.
+            or the modules selected hold no module with a forward (only
+            containers of parameters or buffers).
 
     Examples:
         >>> apply_activation_checkpointing(model, 'backbone.layer*')
@@ -407,8 +408,7 @@ def apply_activation_checkpointing(model: nn.Module,
     """
     ops = normalize_policy(policy)
     found = resolve_modules(model, modules, key='activation_checkpointing')
-    names = called_modules(model, outermost(list(found)),
-                           'activation_checkpointing')
+    names = called_modules(model, list(found), 'activation_checkpointing')
     for name in names:
         _refuse_fused_conv(model, name)
         ancestor = _inlined_by(model, name)

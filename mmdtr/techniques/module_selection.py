@@ -186,7 +186,8 @@ def _is_container(module: nn.Module) -> bool:
 def called_modules(model: nn.Module,
                    names: Sequence[str],
                    key: str = 'modules') -> List[str]:
-    """``names`` with each container among them replaced by its members,
+    """``names``, but those inside another of them (:func:`outermost`),
+    with each container among them replaced by its members,
     recursively, so that a technique wrapping a module's forward wraps
     modules that are called (``'blocks'``, an ``nn.ModuleList`` the model
     loops over, selects each block; wrapping the list did nothing, found by
@@ -196,7 +197,7 @@ def called_modules(model: nn.Module,
 
     Args:
         model (nn.Module): The model the names are of.
-        names (Sequence[str]): Dotted module names, none inside another.
+        names (Sequence[str]): Dotted module names.
         key (str): The config key being resolved, quoted in errors.
 
     Returns:
@@ -221,7 +222,7 @@ def called_modules(model: nn.Module,
         for child, member in module.named_children():
             add(f'{name}.{child}', member)
 
-    for name in names:
+    for name in outermost(names):
         add(name, model.get_submodule(name))
     if names and not result:
         raise MmdtrError(
