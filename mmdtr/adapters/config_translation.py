@@ -18,7 +18,6 @@ keys again, and ``--cfg-options`` on them still take effect.
 """
 import copy
 import difflib
-import importlib
 import inspect
 from typing import Callable, Dict, List
 
@@ -29,6 +28,8 @@ from mmengine.runner import get_priority
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS
 from .near_miss_keys import refuse_near_misses
+from .registered_types import (check_registered_type, check_scoped_type,
+                               may_be_mmdtrs)
 
 #: key name -> translator ``fn(value) -> hook cfg dict``
 MEMORY_KEY_TRANSLATORS: Dict[str, Callable[[object], dict]] = {}
@@ -213,78 +214,6 @@ def _custom_hooks(value, default_scope) -> list:
     return list(value)
 
 
-def check_registered_type(where: str, name, registry, kind: str) -> None:
-    """Refuse a type that is not registered and is mmdtr's (``'mmdtr.X'``)
-    or close to one of mmdtr's; other scopes are left to MMEngine (their
-    registries may not be imported yet).
-
-    Args:
-        where (str): The config key, for the message.
-        name: The ``type`` given; only names (strings) are checked.
-        registry (Registry): mmdtr's registry of that kind.
-        kind (str): What it registers, for the message (``'hook'``).
-
-    Raises:
-        MmdtrError: On such a type, naming the closest match.
-    """
-    if not isinstance(name, str) or registry.get(name) is not None:
-        return
-    scope, _, short = name.rpartition('.')
-    ours = sorted(registry.module_dict)
-    close = difflib.get_close_matches(short, ours, n=1, cutoff=0.8)
-    if scope == 'mmdtr' or close:
-        raise MmdtrError(
-            f'{where}: type={name!r} is not a registered {kind}.',
-            hint=f"mmdtr's {kind}s are {ours}" +
-            (f'; closest match: {close[0]!r}.' if close else '.'))
-
-
-def check_scoped_type(where: str, entry: dict, registry,
-                      default_scope) -> None:
-    """Refuse a type name without a scope that only mmdtr registers when
-    the config's scope is not mmdtr's.
-
-    MMEngine's builders look a plain name up in the registry of the
-    config's ``default_scope`` (MMEngine's own if unset) and its parents,
-    never in mmdtr's, a sibling: ``type='DTRHook'`` failed there with a
-    ``KeyError`` when the runner was built.
-
-    Args:
-        where (str): The config key, for the message.
-        entry (dict): The config that names a ``type`` (a class or a scoped
-            name passes); its ``_scope_``, if any, is the scope looked in.
-        registry (Registry): mmdtr's registry of that kind.
-        default_scope (str | None): The config's ``default_scope``.
-
-    Raises:
-        MmdtrError: If the type resolves only in ``registry``.
-    """
-    name = entry.get('type', None)
-    if 'type' in entry:
-        _check_type_value(where, name)
-    scope = entry.get('_scope_', None) or default_scope
-    if not isinstance(name, str) or '.' in name or scope == 'mmdtr':
-        return
-    if mmdtr_only(registry, name) and \
-            scope_registry(registry, scope).get(name) is None:
-        where_scope = f'scope {scope!r}' if scope else \
-            "scope (no default_scope: MMEngine's)"
-        raise MmdtrError(
-            f"{where}: type={name!r} is mmdtr's, but MMEngine's builder "
-            f"looks it up in the config's {where_scope} and does not find "
-            'it there.',
-            hint=f"write type='mmdtr.{name}' (or set default_scope="
-            "'mmdtr').")
-
-
-def mmdtr_only(registry, name: str) -> bool:
-    """Whether ``name`` (no scope) is registered in mmdtr's ``registry``
-    and not in MMEngine's root one, which MMEngine looks in without a
-    scope."""
-    return name in registry.module_dict and \
-        name not in registry.parent.module_dict
-
-
 def refuse_unless_dict(key: str, value, takes: str, hint: str) -> None:
     """Refuse a config ``value`` of ``key`` that is not a dict (``None``
     passes: left out)."""
@@ -292,39 +221,6 @@ def refuse_unless_dict(key: str, value, takes: str, hint: str) -> None:
         raise MmdtrError(
             f'{key}={value!r} is not accepted: MMEngine takes {takes}.',
             hint=hint)
-
-
-def _check_type_value(where: str, name) -> None:
-    """Refuse a ``type`` MMEngine's registries cannot look up: not a class
-    or function, nor a name (``'DTRHook'``, ``'mmdtr.DTRHook'``). They
-    raised a raw TypeError or RuntimeError in the checks (found by an
-    adversarial search)."""
-    if isinstance(name, str):
-        if name and all(part.isidentifier() for part in name.split('.')):
-            return
-    elif inspect.isclass(name) or inspect.isfunction(name) or \
-            inspect.ismethod(name):
-        return
-    raise MmdtrError(
-        f'{where}: type={name!r} is not accepted: a registered name, '
-        "optionally with its scope ('DTRHook', 'mmdtr.DTRHook'), or a class.",
-        hint="e.g. type='mmdtr.DTRHook' or type='OptimWrapper'.")
-
-
-def scope_registry(registry, scope):
-    """The registry MMEngine's builder looks a plain name up in under
-    ``scope``, as its ``switch_scope_and_registry`` finds it: the scope's
-    (a project built on mmdtr's registries finds mmdtr's names through its
-    parents), or, if none is imported, the root of ``registry``."""
-    root = registry.parent
-    if scope is None or scope == root.scope:
-        return root
-    try:
-        importlib.import_module(f'{scope}.registry')
-    except (ImportError, AttributeError):
-        pass
-    found = root._search_child(scope)
-    return root if found is None else found
 
 
 def _refuse_default_memory_hooks(default_hooks, default_scope) -> None:
@@ -337,7 +233,7 @@ def _refuse_default_memory_hooks(default_hooks, default_scope) -> None:
         return  # MMEngine names it
     for key, hook in default_hooks.items():
         name = hook_name(hook)
-        if name not in MEMORY_KEY_HOOKS.values() or not _may_be_mmdtrs(
+        if name not in MEMORY_KEY_HOOKS.values() or not may_be_mmdtrs(
                 hook, default_scope):
             continue
         memory_key = next(k for k, v in MEMORY_KEY_HOOKS.items() if v == name)
@@ -348,20 +244,6 @@ def _refuse_default_memory_hooks(default_hooks, default_scope) -> None:
             "MMEngine's own.",
             hint=f'use the {memory_key} key, or move the hook to '
             f"custom_hooks=[dict(type='mmdtr.{name}', ...)].")
-
-
-def _may_be_mmdtrs(hook, default_scope) -> bool:
-    """Whether a hook config's type, or a hook object, may be mmdtr's: a
-    class of mmdtr's, ``'mmdtr.X'``, or a plain name under mmdtr's scope or
-    none; another scope's (``'mmdet.DTRHook'``, or a plain name under
-    ``_scope_='mmdet'``) is its own (two reviews)."""
-    kind = hook.get('type', None) if isinstance(hook, dict) else type(hook)
-    if isinstance(kind, str):
-        if '.' in kind:
-            return kind.startswith('mmdtr.')
-        scope = hook.get('_scope_', None) or default_scope
-        return scope in (None, 'mmdtr')
-    return inspect.isclass(kind) and kind.__module__.startswith('mmdtr.')
 
 
 def _refuse_repeated_hooks(custom_hooks: list) -> None:

@@ -28,11 +28,11 @@ from mmdtr.core.allocation_failures import allocator_settings
 from mmdtr.dtr import POLICIES, DTRStats
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import HOOKS, MODEL_WRAPPERS
-from .config_translation import (check_registered_type, check_scoped_type,
-                                 config_check, hook_name, memory_key,
+from .config_translation import (config_check, hook_name, memory_key,
                                  refuse_unless_dict)
 from .dtr_model_wrapper import DTRDistributedDataParallel
 from .dtr_train_step import AUTO, DTRTrainStep, dtr_settings, model_device
+from .registered_types import check_registered_type, check_scoped_type
 
 KEY = 'dtr'
 

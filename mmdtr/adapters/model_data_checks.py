@@ -20,7 +20,7 @@ from mmdtr.registry import DATASETS, MODELS
 from mmdtr.utils.value_kinds import is_real
 from .config_translation import MEMORY_KEY_TRANSLATORS, config_check
 from .near_miss_keys import SETTING_SECTIONS, nested_key_error
-from .runner_config_checks import of_another_scope, refuse_unregistered
+from .registered_types import of_another_scope, refuse_unregistered
 
 #: DDP switches its C++ side refuses a string for (``'yes'`` failed in
 #: every rank); MMEngine's ``detect_anomalous_params`` is read as a truth

@@ -34,9 +34,10 @@ from torch import nn
 from mmdtr.registry import MODEL_WRAPPERS, RUNNERS
 from mmdtr.utils.module_names import CHECKED_ATTR, check_module_names
 from .checkpoint_loading import register_checkpoint_safe_globals
-from .config_translation import SOURCE_ATTR, mmdtr_only, translate_memory_keys
+from .config_translation import SOURCE_ATTR, translate_memory_keys
 from .cpu_process_group import (check_launcher_env, close_at_exit, dist_cfg_of,
                                 init_cpu_dist, noting_outcome)
+from .registered_types import mmdtr_only
 from .runner_config_checks import check_amp_available
 from .writable_config import refuse_unwritable
 

@@ -16,13 +16,14 @@ from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS, OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
-from .config_translation import (check_scoped_type, config_check, mmdtr_only,
-                                 refuse_unless_dict, scope_registry)
+from .config_translation import config_check, refuse_unless_dict
 from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
                                      check_keys, check_wrapper_config,
                                      clip_grad_settings)
 from .optimizer_values import check_optimizer_values, refuse_missing_optimizer
+from .registered_types import (check_scoped_type, mmdtr_only, of_another_scope,
+                               refuse_unregistered)
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -93,78 +94,6 @@ def _is_inplace(wrapper_type) -> bool:
             not wrapper_type.startswith('mmdtr.'):
         return False  # another scope's (_check_wrapper_keys names it)
     return _is_wrapper(wrapper_type, InplaceOptimWrapper)
-
-
-def of_another_scope(name: str, scope) -> bool:
-    """Whether the type ``name`` (``'mmdet.X'``, or a plain name under
-    ``scope``) is of a scope other than mmdtr's or MMEngine's: its registry
-    may not be imported yet, so it is left to MMEngine."""
-    return (name.rpartition('.')[0]
-            or scope) not in (None, 'mmdtr', 'mmengine')
-
-
-def refuse_unregistered(where: str,
-                        name,
-                        registry,
-                        default_scope,
-                        list_parent: bool = True,
-                        in_scope: bool = True):
-    """Refuse a type name of mmdtr's or MMEngine's scope (or of none) that
-    neither registers: MMEngine's builder failed on it in ``runner.train()``
-    or when the runner was built, in a traceback (``KeyError: 'X is not in
-    the runner registry'``, ``TypeError: None is not a callable object``),
-    after the work dir was made (found by a review). Other scopes' names
-    are left to MMEngine: their registries may not be imported yet.
-
-    Args:
-        where (str): The config key, for the message.
-        name: The ``type`` given; only names (strings) are checked.
-        registry (Registry): mmdtr's registry of that kind (its parent is
-            MMEngine's).
-        default_scope (str | None): The scope the name is built in: the
-            config's ``default_scope``, or the entry's ``_scope_``.
-        list_parent (bool): List MMEngine's names in the hint too (the
-            closest match is sought among both either way). Defaults to
-            True; models: False, as mmcv adds its layers to MMEngine's.
-        in_scope (bool): Whether the builder runs under that scope, as the
-            runner builds models and optimizers (True), or as a script
-            builds its runner (``runner_type``; False): from MMEngine's
-            root registry before any scope is set, from another under one
-            set before (``init_default_scope``), so a name any of them
-            finds passes (the root alone refused a runner a script built;
-            found by a review).
-
-    Returns:
-        The class (or function) MMEngine's builder will find, or None
-        when the name is not checked (a class given, another scope).
-
-    Raises:
-        MmdtrError: On such a name, with the closest registered one.
-    """
-    if not isinstance(name, str) or of_another_scope(name, default_scope):
-        return None
-    # looked up as MMEngine's builder does (switch_scope_and_registry, then
-    # get): 'mmdtr.X' of MMEngine's X resolves from MMEngine's root, not
-    # from mmdtr's registry (found by a review)
-    scoped = scope_registry(registry, default_scope)
-    for lookup in (scoped, ) if in_scope else (registry.parent, registry,
-                                               scoped):
-        found = lookup.get(name)
-        if found is not None:
-            return found
-    known = sorted({*registry.module_dict, *registry.parent.module_dict})
-    close = difflib.get_close_matches(
-        name.rpartition('.')[2], known, n=1, cutoff=0.6)
-    if close and scoped.get(close[0]) is None:
-        # mmdtr's alone, out of its scope: its scoped name is found (the
-        # plain one was refused next; found by a review)
-        close = [f'{registry.scope}.{close[0]}']
-    listed = f'registered: {known}' if list_parent else (
-        f"mmdtr's: {sorted(registry.module_dict)}")
-    raise MmdtrError(
-        f'{where}={name!r} is not registered.',
-        hint=(f'closest match: {close[0]!r}; ' if close else '') +
-        f'{listed}.')
 
 
 @config_check
