@@ -46,16 +46,16 @@ from mmdtr.core.torch_compat import create_selective_checkpoint_contexts
 from mmdtr.errors import MmdtrError
 from .checkpoint_calls import (CallerContainersFirst, call_with_kwargs,
                                frozen_output)
+from .checkpoint_placement import ORIG_FORWARD, refuse_unreachable
 from .kept_outputs import KeptOutputs, written_kept_output
 from .module_selection import called_modules, resolve_modules
+from .module_state_record import state_record
 from .recompute_decisions import DecisionLog
 from .recompute_guards import (RecomputeContext, RunningStatsGuard,
-                               state_record, tracking_norms, watch_versions,
-                               written_since)
+                               tracking_norms, watch_versions, written_since)
 from .recompute_put_back import GeneratorStates, TrainingModes
 from .selective_policy import normalize_policy, save_policy
 
-_ORIG_FORWARD = '_mmdtr_ckpt_inner_forward'
 _POLICY_ATTR = '_mmdtr_ckpt_policy'
 _NAME_ATTR = '_mmdtr_ckpt_name'
 
@@ -154,7 +154,7 @@ def inner_forward(module: nn.Module, compiling: bool = False) -> Callable:
     bound by a partial, not ``forward.__get__`` (dynamo 2.5 and 2.6 failed
     tracing the descriptor call at the first call) nor ``MethodType`` (a
     graph break per module from 2.8 on)."""
-    own = module.__dict__.get(_ORIG_FORWARD)
+    own = module.__dict__.get(ORIG_FORWARD)
     if own is not None:
         return own
     if compiling:
@@ -320,52 +320,9 @@ def replace_forward(module: nn.Module, forward: Callable) -> None:
         forward (Callable): Its new forward.
     """
     if is_checkpointed(module):
-        setattr(module, _ORIG_FORWARD, forward)
+        setattr(module, ORIG_FORWARD, forward)
     else:
         module.forward = forward
-
-
-def _traced_graph(module: nn.Module) -> Optional[torch.fx.Graph]:
-    """The graph of ``module``'s forward if a torch.fx trace replaced it."""
-    forward = module.__dict__.get(_ORIG_FORWARD,
-                                  module.__dict__.get('forward'))
-    owner = getattr(forward, 'graph_module', None)  # a guarded trace
-    owner = owner or getattr(forward, '__self__', None)
-    return owner.graph if isinstance(owner, torch.fx.GraphModule) else None
-
-
-def _inlined_by(model: nn.Module, name: str) -> Optional[str]:
-    """Name of the fx-traced ancestor that inlines ``name``, else None."""
-    parts = name.split('.')
-    for i in range(len(parts) - 1, -1, -1):
-        ancestor = '.'.join(parts[:i])
-        graph = _traced_graph(model.get_submodule(ancestor))
-        if graph is None:
-            continue
-        called = {n.target for n in graph.nodes if n.op == 'call_module'}
-        rest = parts[i:]
-        if any('.'.join(rest[:j]) in called for j in range(1, len(rest) + 1)):
-            return _inlined_by(model, ancestor) if ancestor else None
-        return ancestor
-    return None
-
-
-def _refuse_fused_conv(model: nn.Module, name: str) -> None:
-    """Refuse the conv of an mmcv ``ConvModule`` whose own efficient Conv-BN
-    eval is on: its forward sets the conv's ``forward`` to the fused form
-    and then deletes it, which deleted the checkpoint too (found by an
-    adversarial search: checkpointed at the first iteration only)."""
-    path, _, child = name.rpartition('.')
-    parent = model.get_submodule(path) if child == 'conv' else None
-    if getattr(parent, 'efficient_conv_bn_eval_forward', None) is None:
-        return
-    raise MmdtrError(
-        f'activation_checkpointing: module {name!r} is the conv of a '
-        f'{type(parent).__name__} whose own efficient Conv-BN eval is on '
-        '(efficient_conv_bn_eval); its forward replaces the conv\'s forward '
-        'by the fused form and then deletes it, which would drop the '
-        'checkpoint after the first call.',
-        hint=f'checkpoint {path!r} (the whole module) instead.')
 
 
 def apply_activation_checkpointing(model: nn.Module,
@@ -409,23 +366,12 @@ def apply_activation_checkpointing(model: nn.Module,
     ops = normalize_policy(policy)
     found = resolve_modules(model, modules, key='activation_checkpointing')
     names = called_modules(model, list(found), 'activation_checkpointing')
-    for name in names:
-        _refuse_fused_conv(model, name)
-        ancestor = _inlined_by(model, name)
-        if ancestor is not None:
-            where = repr(ancestor) if ancestor else 'the model'
-            raise MmdtrError(
-                f'activation_checkpointing: module {name!r} lies inside '
-                f'{where}, whose forward was replaced by a torch.fx trace '
-                '(efficient_conv_bn_eval) that inlines it, so it cannot be '
-                'checkpointed. Accepted: modules the trace calls as '
-                'modules, or the traced module itself.',
-                hint=f'checkpoint {where} instead.')
+    refuse_unreachable(model, names)
     for name in names:
         module = model.get_submodule(name)
         if not is_checkpointed(module):
             if 'forward' in module.__dict__:
-                setattr(module, _ORIG_FORWARD, module.__dict__['forward'])
+                setattr(module, ORIG_FORWARD, module.__dict__['forward'])
             module.forward = checkpointed_forward.__get__(module)
         setattr(module, _POLICY_ATTR, ops)
         setattr(module, _NAME_ATTR, name)
