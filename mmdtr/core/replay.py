@@ -14,7 +14,9 @@ from .op_semantics import op_info
 from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
 from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
 from .recipes import AllocNode
-from .records import _PLAIN, detached_alias, view_meta, view_of
+from .records import detached_alias, view_meta, view_of
+from .unseen_writes import (reach, shrunk, shrunk_unseen,
+                            stale_after_unseen_write, unseen_write)
 
 Tensor = torch.Tensor
 
@@ -78,65 +80,6 @@ def _taking_generator(func):
             break
     _TAKING_GENERATOR[func] = found
     return found
-
-
-def _unseen_write(shape, before, now) -> MmdtrError:
-    return MmdtrError(
-        f'a tensor of shape {tuple(shape)} that DTR may recompute from was '
-        f'written in place where the engine could not see it (version '
-        f'{before} -> {now}): after the DTR scope closed and before backward,'
-        ' by another thread while it was open, or by a kernel outside the '
-        'dispatcher. A recomputation would read the new values (R13).',
-        'run backward inside the DTR scope (DTRHook does), write into a '
-        'copy (t = t.clone()) once the scope has closed, and write the '
-        "scope's tensors from its own thread.")
-
-
-def _reach(meta) -> int:
-    """Bytes of its storage a view with ``meta`` (see ``view_meta``) reads,
-    from the storage's start."""
-    dtype, shape, stride, offset = meta
-    if 0 in shape:
-        return 0
-    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-    return (last + 1) * dtype.itemsize
-
-
-def _shrunk(t) -> bool:
-    """Whether a plain strided tensor's storage no longer covers its view
-    (other tensors have no storage to read it from, or no strides)."""
-    if type(t) not in _PLAIN or t.layout is not torch.strided \
-            or t.is_nested or t.is_meta or t.is_quantized:
-        return False  # quint4x2 packs two values a byte: no itemsize
-    return t.untyped_storage().nbytes() < _reach(view_meta(t))
-
-
-def _shrunk_unseen(what: str, nbytes, reach) -> MmdtrError:
-    return MmdtrError(
-        f'{what} that DTR needs to recompute from has lost memory where the '
-        f'engine could not see it: its storage has {nbytes} bytes and the '
-        f'tensor reads {reach} '
-        '(untyped_storage().resize_(), as FSDP frees parameters, runs '
-        'below the dispatcher). Reading it would read freed memory.',
-        'free it after backward, or restore its size and contents before '
-        'backward (R13).')
-
-
-def _written_unseen(rec, rebuildable):
-    """Whether a tensor over resident ``rec`` was written where the engine
-    did not see it (R13): after the scope closed, or, in scope, by another
-    thread (or so its counter says: one shared with a tensor moved to
-    another storage moves with writes there). Then a recipe must not read
-    it as it is: the version it read is rebuilt from its own recipe, exact
-    either way. Raises if that cannot be (``rebuildable`` False, or outside
-    ``lo..hi``)."""
-    written = rec.written_unseen()  # None while evicted
-    if written is None:
-        return False
-    if rebuildable and rec.recomputable(rec.version):
-        return True
-    t, before = written
-    raise _unseen_write(t.shape, before, t._version)
 
 
 class Replayer:
@@ -239,8 +182,8 @@ class Replayer:
         if shrank(rec, storage):  # below the dispatcher: rebuilt for this
             # use, as a storage written after the scope is (R13)
             if not rec.recomputable(version):
-                raise _shrunk_unseen(f'a storage of {rec.nbytes} bytes',
-                                     storage.nbytes(), rec.nbytes)
+                raise shrunk_unseen(f'a storage of {rec.nbytes} bytes',
+                                    storage.nbytes(), rec.nbytes)
             stale = True
         memo = self.rebuilt
         if storage is not None and rec.version == version and not stale:
@@ -359,19 +302,19 @@ class Replayer:
         (see :meth:`_rebuild_steps`)."""
         if isinstance(a, RecordRef):
             rec = a.record
-            stale = rec.version == a.version and _written_unseen(
+            stale = rec.version == a.version and stale_after_unseen_write(
                 rec, rebuildable=True)
             wanted = [rec, a.version, stale]
             yield wanted  # materialize appends the storage
             return view_of(wanted.pop(), a.meta, rec.device)
         if isinstance(a, HeldRef):
             if a.record is not None:
-                _written_unseen(a.record, rebuildable=False)
+                stale_after_unseen_write(a.record, rebuildable=False)
             if a.tracked is not None:
-                _written_unseen(a.tracked, rebuildable=False)
+                stale_after_unseen_write(a.tracked, rebuildable=False)
             if a.current_version() != a.version:
-                raise _unseen_write(a.tensor.shape, a.version,
-                                    a.current_version())
+                raise unseen_write(a.tensor.shape, a.version,
+                                   a.current_version())
             t = a.tensor
             if a.cdata is not None and t.untyped_storage()._cdata != a.cdata:
                 raise MmdtrError(
@@ -380,10 +323,10 @@ class Replayer:
                     '(tensor.data = ...) during the step.',
                     'write into it in place (tensor.data.copy_(...)), or '
                     'swap it outside the DTR scope.')
-            if _shrunk(t):  # freed below the dispatcher (R13)
-                raise _shrunk_unseen(f'a tensor of shape {tuple(t.shape)}',
-                                     t.untyped_storage().nbytes(),
-                                     _reach(view_meta(t)))
+            if shrunk(t):  # freed below the dispatcher (R13)
+                raise shrunk_unseen(f'a tensor of shape {tuple(t.shape)}',
+                                    t.untyped_storage().nbytes(),
+                                    reach(view_meta(t)))
             return detached_alias(t) if t.requires_grad else t
         if isinstance(a, SelfRef):
             return view_of(self_storage, a.meta, self_storage.device)
