@@ -7,19 +7,18 @@ accounting, eviction, recipe, replay, saved-tensor and in-place write
 methods are grouped in the mixins of :mod:`.accounting`, :mod:`.eviction`,
 :mod:`.recipes`, :mod:`.replay`, :mod:`.saved_tensors`, :mod:`.writes` and
 :mod:`.foreign_memory` (and :mod:`.allocation_failures`, R15; the ops
-before recording starts in :mod:`.idle_ops`, R16). The rules
-cited as R1..R16 are in docs/design.md.
+before recording starts in :mod:`.idle_ops`, R16; the lock all engines
+share, R12, in :mod:`.engine_lock`). The rules cited as R1..R16 are in
+docs/design.md.
 """
 import contextlib
-import os
 import random
-import threading
-import weakref
 
 import torch
 
 from .accounting import Accounting
 from .arguments import SPARSE_LAYOUTS, argument_storages
+from .engine_lock import ENGINE_LOCK, OPEN_ENGINES, released
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .idle_ops import IdleOps
@@ -30,78 +29,16 @@ from .records import _PLAIN, managed
 from .replay import Replayer
 from .saved_tensors import SavedTensors
 from .tracked_tensors import WeakList
-from .writes import Writes, bump_like_eager, versions_before
-
-# One lock for every engine (R12): a thread holding an engine's lock may
-# free a storage another engine counts, whose callback takes that one's
-# lock; with a lock per engine, two threads doing so at once deadlocked.
-# It is let go while the kernel of an op writing no argument runs.
-_LOCK = threading.RLock()
-_OPEN_ENGINES = weakref.WeakSet()  # the states not closed yet
+from .writes import Writes, bump_like_eager, versions_before, written_parts
 
 
 def _run_as_is(func, args, kwargs):
     return func(*args, **kwargs)
 
 
-def _after_fork_in_child():
-    _LOCK.release()
-    for state in list(_OPEN_ENGINES):
-        state.stop_in_forked_child()
-
-
-if hasattr(os, 'register_at_fork'):
-    # a fork (DataLoader workers) while another thread held the lock left
-    # the child's copy held by no thread: its first op under the engine it
-    # inherited waited forever (found by a review). The forking thread takes
-    # the lock first; parent and child let it go (R12).
-    os.register_at_fork(
-        before=_LOCK.acquire,
-        after_in_parent=_LOCK.release,
-        after_in_child=_after_fork_in_child)
-
-
-@contextlib.contextmanager
-def _released(lock):
-    """``lock`` let go for the duration (once: a reentrant hold stays)."""
-    lock.release()
-    try:
-        yield
-    finally:
-        lock.acquire()
-
-
 _held = contextlib.nullcontext
 _use_count = torch._C._storage_Use_Count
 Tensor = torch.Tensor
-
-
-def _has_storage(t) -> bool:
-    """Whether ``t`` has a real storage (wrapper subclasses have none)."""
-    try:
-        t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def _written_parts(t) -> list:
-    """What a write to ``t`` writes: the tensors a traceable wrapper
-    subclass holds (``__tensor_flatten__``), theirs in turn, else ``t`` if
-    it has a storage (an opaque wrapper's parts are unknown). The subclass
-    writes them in its own dispatch, where the engine sees nothing, and a
-    recipe that read one rebuilt from the new values (found by a review).
-    """
-    flatten = getattr(t, '__tensor_flatten__', None)
-    if flatten is not None and type(t) not in _PLAIN:
-        inner = (getattr(t, name, None) for name in flatten()[0])
-        # an optional part may be None (a review)
-        return [
-            part for p in inner if isinstance(p, torch.Tensor)
-            for part in _written_parts(p)
-        ]
-    return [t] if _has_storage(t) else []
-
 
 _TYPE_OF_DEVICE = {}  # torch.device -> its type: ``.type`` makes a new str
 
@@ -181,8 +118,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         self._sampler = random.Random(0)  # never torch's RNG (R6)
         # held by every entry (an op, a save, an unpack, a free): autograd
         # may run a graph's backward in another thread (R12)
-        self.lock = _LOCK
-        _OPEN_ENGINES.add(self)
+        self.lock = ENGINE_LOCK
+        OPEN_ENGINES.add(self)
         self.recording_threshold = recording_threshold
         self.idle_ops = 0  # ops run before recording started (R16)
         # StorageImpl pointer -> UnrecordedTensors: the tensors ops
@@ -282,7 +219,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         writes = given = ()
         if info.written_args or info.side_effect_args:
             given = self._writes(info, args, kwargs)[0]
-            writes = [part for w in given for part in _written_parts(w)]
+            writes = [part for w in given for part in written_parts(w)]
             for w in writes:
                 self._before_write(w)
         # what eager bumps: the plain tensors given, not a subclass's parts
@@ -292,7 +229,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
         try:
             # a subclass's own Python runs unlocked, but for a write (the
             # race of on_op; found by a review)
-            with _released(self.lock) if not writes else _held():
+            with released(self.lock) if not writes else _held():
                 out = func(*args, **kwargs)
         except BaseException:
             self._after_failed_write(writes, info)
@@ -380,7 +317,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             try:
                 if not unlocked:
                     return func(*args, **kwargs)
-                lock.release()  # as _released does, without a generator
+                lock.release()  # as released() does, without a generator
                 try:  # on the hot path (R1)
                     return func(*args, **kwargs)
                 finally:
@@ -408,7 +345,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
 
     def _close(self):
         self.closed = True
-        _OPEN_ENGINES.discard(self)
+        OPEN_ENGINES.discard(self)
         # a snapshot: close_versions allocates, so a garbage collection may
         # free a storage here, and _on_free drops its record (R12)
         for rec in list(self.records.values()):

@@ -13,6 +13,7 @@ from .cost_model import tensor_bytes
 from .op_semantics import batch_norm_in_training, get_arg
 from .recipe_refs import HeldRef, SelfRef
 from .recipes import AllocNode
+from .records import _PLAIN
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is
@@ -79,6 +80,33 @@ def _reads_only_self(node) -> bool:
     ``x.fill_(x[3])`` or ``p.bernoulli_(p)`` read it through another
     argument, and rebuilt from an empty buffer they would read garbage."""
     return sum(isinstance(ref, SelfRef) for ref in node.refs()) == 1
+
+
+def _has_storage(t) -> bool:
+    """Whether ``t`` has a real storage (wrapper subclasses have none)."""
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def written_parts(t) -> list:
+    """What a write to ``t`` writes: the tensors a traceable wrapper
+    subclass holds (``__tensor_flatten__``), theirs in turn, else ``t`` if
+    it has a storage (an opaque wrapper's parts are unknown). The subclass
+    writes them in its own dispatch, where the engine sees nothing, and a
+    recipe that read one rebuilt from the new values (found by a review).
+    """
+    flatten = getattr(t, '__tensor_flatten__', None)
+    if flatten is not None and type(t) not in _PLAIN:
+        inner = (getattr(t, name, None) for name in flatten()[0])
+        # an optional part may be None (a review)
+        return [
+            part for p in inner if isinstance(p, torch.Tensor)
+            for part in written_parts(p)
+        ]
+    return [t] if _has_storage(t) else []
 
 
 class Writes:

@@ -94,7 +94,7 @@ def test_a_fork_while_another_thread_holds_the_lock_leaves_it_free():
     # DataLoader workers forked while a thread held the engines' lock for
     # an in-place op: the child's copy stayed held, and its first op under
     # the engine it inherited waited forever (found by a review)
-    from mmdtr.core.engine import _LOCK
+    from mmdtr.core.engine_lock import ENGINE_LOCK as _LOCK
     held, release = threading.Event(), threading.Event()
 
     def hold():

@@ -1,0 +1,40 @@
+"""The one lock every engine holds while it runs its bookkeeping (R12 of
+docs/design.md), the open engines, and what a fork does to both."""
+import contextlib
+import os
+import threading
+import weakref
+
+# One lock for every engine (R12): a thread holding an engine's lock may
+# free a storage another engine counts, whose callback takes that one's
+# lock; with a lock per engine, two threads doing so at once deadlocked.
+# It is let go while the kernel of an op writing no argument runs.
+ENGINE_LOCK = threading.RLock()
+OPEN_ENGINES = weakref.WeakSet()  # the states not closed yet
+
+
+def _after_fork_in_child():
+    ENGINE_LOCK.release()
+    for state in list(OPEN_ENGINES):
+        state.stop_in_forked_child()
+
+
+if hasattr(os, 'register_at_fork'):
+    # a fork (DataLoader workers) while another thread held the lock left
+    # the child's copy held by no thread: its first op under the engine it
+    # inherited waited forever (found by a review). The forking thread takes
+    # the lock first; parent and child let it go (R12).
+    os.register_at_fork(
+        before=ENGINE_LOCK.acquire,
+        after_in_parent=ENGINE_LOCK.release,
+        after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def released(lock):
+    """``lock`` let go for the duration (once: a reentrant hold stays)."""
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
