@@ -11,7 +11,7 @@ import torch
 
 from mmdtr.errors import MmdtrError
 from .allocation_failures import watch_allocation_failures
-from .arguments import argument_storages, sparse_parts
+from .arguments import SPARSE_LAYOUTS, argument_storages, held_parts
 from .cuda_meter import READ_EVERY_OPS, CudaAllocatedBytes, read_guard
 from .op_semantics import op_info
 from .records import StorageRecord, StorageRef
@@ -189,31 +189,33 @@ class Accounting:
         if storage._cdata not in self.transients:
             self._count_transient(storage, storage._cdata)
 
-    def meter_sparse_parts(self, t, args, kwargs):
-        """Count the parts (indices, values) of a sparse output that are
-        new: neither known nor parts of the call's other arguments (R11). A
-        sparse tensor is never recorded (R4).
+    def meter_held(self, t, args, kwargs):
+        """Count the storages of an output the engine holds and never
+        records (sparse, nested, quantized, R4) that are new: neither known
+        nor those of the call's arguments (R11; :func:`.held_parts`).
 
-        An argument returned (``add_``, ``AccumulateGrad``'s ``grad +=``)
-        may hold new parts now, so its own parts are not taken for old
-        ones: one kept from before the scope (``mul_`` keeps the indices)
-        is then counted, on the safe side (found by a review).
+        A sparse argument returned (``add_``, ``AccumulateGrad``'s ``grad
+        +=``) may hold new parts now, so its own parts are not taken for
+        old ones: one kept from before the scope (``mul_`` keeps the
+        indices) is then counted, on the safe side (found by a review). A
+        nested or quantized one returned keeps its storage.
 
         Args:
-            t (Tensor): The sparse output.
+            t (Tensor): The output.
             args (tuple): The call's positional arguments.
             kwargs (dict): Its keyword arguments.
         """
         known = None
-        for part in sparse_parts(t):
+        for part in held_parts(t):
             storage = part.untyped_storage()
             cdata = storage._cdata
             if cdata in self.records or cdata in self.transients:
                 continue
             if known is None:
-                others = {k: v for k, v in kwargs.items() if v is not t}
-                known = argument_storages([a for a in args if a is not t],
-                                          others)
+                if t.layout in SPARSE_LAYOUTS:
+                    args = [a for a in args if a is not t]
+                    kwargs = {k: v for k, v in kwargs.items() if v is not t}
+                known = argument_storages(args, kwargs, held=True)
             if cdata not in known:
                 self._count_transient(storage, cdata)
 

@@ -17,7 +17,7 @@ import random
 import torch
 
 from .accounting import Accounting
-from .arguments import SPARSE_LAYOUTS, argument_storages
+from .arguments import argument_storages
 from .engine_lock import ENGINE_LOCK, OPEN_ENGINES, released
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
@@ -268,8 +268,7 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             if not isinstance(o, Tensor):
                 continue
             if not managed(o):  # held: see managed()
-                if o.layout in SPARSE_LAYOUTS:
-                    self.meter_sparse_parts(o, args, kwargs)
+                self.meter_held(o, args, kwargs)
                 continue
             storage = o.untyped_storage()
             cdata = storage._cdata

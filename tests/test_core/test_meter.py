@@ -263,12 +263,14 @@ def test_meter_counts_the_generator_states_recipes_hold():
     assert abs(stats.peak_memory - profiled) <= 1024, (stats, profiled)
 
 
-def _metered_and_live(make):
+def _metered_and_live(make, recording_threshold=None):
     """(the meter, the profiler's live bytes) just after ``make()`` runs in
     a new scope."""
     with profile(
             activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with DTR(eviction_threshold='1GB') as engine:
+        with DTR(
+                eviction_threshold='2GB',
+                recording_threshold=recording_threshold) as engine:
             kept = make()  # noqa: F841 (alive while read)
             metered, when = engine._state.in_use, time.time_ns()
     live = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
@@ -329,6 +331,54 @@ def test_meter_counts_storages_made_outside_ops(case):
         assert metered == 0  # NumPy's memory
     else:
         assert metered >= 2**14
+
+
+_FLAT = torch.randn(1 << 16)  # 256 KiB, from before the scope
+
+
+def _nested():
+    return torch.nested.nested_tensor(
+        [_FLAT.view(256, 256), _FLAT[:1000].view(10, 100)])
+
+
+@pytest.mark.parametrize(
+    'recording_threshold', [None, '1GB'], ids=['recording', 'idle'])
+@pytest.mark.parametrize('case', [
+    'quantize', 'quantize_per_channel', 'quantized_add', 'nested',
+    'nested_ops', 'nested_of_outside_sin', 'nested_of_outside_mul_',
+    'nested_of_outside_unbind', 'padded_of_outside_nested'
+])
+def test_meter_counts_nested_and_quantized_storages(case, recording_threshold):
+    """Found by an adversarial search: the storages of nested and
+    quantized outputs (held, never recorded) were not metered at all, so
+    the peak and the threshold saw less than was allocated; those of a
+    nested tensor from before the scope are not counted again."""
+    quantized = torch.quantize_per_tensor(_FLAT, 0.1, 0, torch.quint8)
+    outside = _nested()
+    make = dict(
+        quantize=lambda: torch.quantize_per_tensor(_FLAT, 0.1, 0, torch.quint8
+                                                   ),
+        quantize_per_channel=lambda: torch.quantize_per_channel(
+            _FLAT.view(256, 256),
+            torch.rand(256) + 0.1, torch.zeros(256, dtype=torch.long), 0, torch
+            .qint8),
+        quantized_add=lambda: torch.ops.quantized.add(quantized, quantized,
+                                                      0.2, 0),
+        nested=_nested,
+        nested_ops=lambda: (lambda nt: (nt, nt.sin(), nt * 2))(_nested()),
+        nested_of_outside_sin=lambda: outside.sin(),
+        nested_of_outside_mul_=lambda: outside.mul_(1),
+        nested_of_outside_unbind=lambda: outside.unbind(),
+        padded_of_outside_nested=lambda: torch.nested.to_padded_tensor(
+            outside, 0.0),
+    )[case]
+    make()  # warm-up: lazy initializations allocate
+    metered, live = _metered_and_live(make, recording_threshold)
+    assert metered == live, (metered, live)
+    if 'outside_mul_' in case or 'outside_unbind' in case:
+        assert metered == 0
+    else:
+        assert metered >= 2**16
 
 
 def test_outside_storages_recipes_no_longer_read_are_dropped():
