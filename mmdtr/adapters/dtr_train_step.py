@@ -9,7 +9,8 @@ gradients closes it too). With several optimizers (an ``OptimWrapperDict``)
 it spans the whole ``train_step``. An exception anywhere in the iteration
 closes it as well: no dispatch mode or saved-tensor hooks stay on the
 thread. The engine's statistics of each iteration go to MMEngine's
-``MessageHub`` (:data:`SCALARS`).
+``MessageHub`` (:data:`SCALARS`), each the largest over the ranks when
+distributed.
 
 :func:`dtr_settings` validates the ``dtr`` settings (:data:`DTR_SUB_KEYS`)
 with the engine's own checks; :func:`model_device` gives the device the
@@ -23,6 +24,7 @@ import logging
 from typing import Callable, Optional
 
 import torch
+from mmengine.dist import all_gather, get_world_size
 from mmengine.logging import MessageHub, print_log
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
@@ -43,7 +45,8 @@ _EXAMPLE = ("dtr=dict(eviction_threshold='2GB', evictee_minimum_size='1MB', "
 #: statistics (:func:`~mmdtr.core.recording_threshold.
 #: next_recording_threshold`, design.md R16)
 AUTO = 'auto'
-#: MessageHub scalar name -> how to get it from the engine's stats
+#: MessageHub scalar name -> how to get it from the engine's stats (logged:
+#: the largest over the ranks)
 SCALARS = {
     'train/dtr_peak_memory_mb': lambda s: s.peak_memory / 2**20,
     'train/dtr_evictions': lambda s: s.evictions,
@@ -52,6 +55,7 @@ SCALARS = {
     'train/dtr_eviction_failures': lambda s: s.eviction_failures,
     'train/dtr_idle_ops': lambda s: s.idle_ops,
 }
+_PEAK, _FAILURES = 0, 4  # their places in SCALARS
 
 
 def dtr_settings(value, key: str = 'dtr', device=None) -> dict:
@@ -258,11 +262,15 @@ class DTRTrainStep:
                                                 optim_wrapper)
         self.stats = engine.stats
         self.recent.add(self.stats, size)
-        self._publish(self.stats)
-        if self.stats.eviction_failures and not self.warned and \
-                self.stats.threshold is not None:
+        per_rank = _per_rank([get(self.stats) for get in SCALARS.values()])
+        self._publish(per_rank)
+        failed = [(rank, values) for rank, values in enumerate(per_rank)
+                  if values[_FAILURES]]
+        if failed and not self.warned and self.stats.threshold is not None:
             self.warned = True
-            print_log(_not_held(self.stats), 'current', logging.WARNING)
+            print_log(
+                _not_held(self.stats.threshold, failed, len(per_rank)),
+                'current', logging.WARNING)
         return result
 
     @staticmethod
@@ -293,26 +301,46 @@ class DTRTrainStep:
                 else:
                     del optim_wrapper.backward
 
-    def _publish(self, stats: DTRStats) -> None:
+    def _publish(self, per_rank: list) -> None:
+        """Put each scalar's largest value over the ranks in the hub."""
         hub = self.message_hub or MessageHub.get_current_instance()
-        for name, get in SCALARS.items():
+        for i, name in enumerate(SCALARS):
             # not resumed: an iteration's figures are no training state,
             # and a run resumed without DTR would log the checkpoint's
-            hub.update_scalar(name, get(stats), resumed=False)
+            hub.update_scalar(
+                name, max(values[i] for values in per_rank), resumed=False)
 
 
-def _not_held(stats: DTRStats) -> str:
-    peak = format_size(stats.peak_memory)
-    return (f'mmdtr: dtr.eviction_threshold ({format_size(stats.threshold)}) '
-            'was not held in this iteration: memory in use rose to '
-            f'{peak} with nothing evictable left ({stats.eviction_failures} '
-            'eviction failures). Below what must stay resident (gradients, '
-            'tensors held from Python, the op running) rebuilds grow fast, '
-            'the step slows, and the peak can pass that of a step without '
-            "DTR (a rebuild's inputs are remade too): raise it to "
-            f"'{peak}' or more, or train without DTR if that fits "
-            '(train/dtr_eviction_failures counts each iteration; this is '
-            'logged once).')
+def _per_rank(values: list) -> list:
+    """``values`` (the scalars of :data:`SCALARS`, in order) of every rank,
+    all-gathered after each iteration; this rank's alone when not
+    distributed. Rank 0 writes the log: with its own figures alone,
+    another rank that did not hold its threshold went unseen (found by an
+    adversarial search). One small collective per iteration, after the
+    engine's scope; every rank runs it, as every rank runs the step."""
+    if get_world_size() < 2:
+        return [values]
+    gathered = all_gather(torch.tensor(values, dtype=torch.float64))
+    return [[type(v)(x) for v, x in zip(values, t.tolist())] for t in gathered]
+
+
+def _not_held(threshold: int, failed: list, ranks: int) -> str:
+    """The warning for ``failed``, ``(rank, scalars)`` of the ranks whose
+    iteration had eviction failures, out of ``ranks``."""
+    peak = max(values[_PEAK] for _, values in failed) * 2**20
+    failures = sum(values[_FAILURES] for _, values in failed)
+    where = '' if ranks == 1 else (f' on rank {failed[0][0]}' if len(
+        failed) == 1 else f' on ranks {[rank for rank, _ in failed]}')
+    return (f'mmdtr: dtr.eviction_threshold ({format_size(threshold)}) '
+            f'was not held in this iteration{where}: memory in use rose to '
+            f'{format_size(peak)} with nothing evictable left '
+            f'({int(failures)} eviction failures). Below what must stay '
+            'resident (gradients, tensors held from Python, the op running) '
+            'rebuilds grow fast, the step slows, and the peak can pass that '
+            "of a step without DTR (a rebuild's inputs are remade too): "
+            f"raise it to '{format_size(peak)}' or more, or train without "
+            'DTR if that fits (train/dtr_eviction_failures counts each '
+            'iteration, the largest over the ranks; this is logged once).')
 
 
 __all__ = [

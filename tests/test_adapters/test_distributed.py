@@ -1,5 +1,6 @@
 """Distributed training on CPU with gloo: in process, and two processes."""
 import json
+import re
 import subprocess
 import sys
 import types
@@ -197,6 +198,46 @@ def test_two_process_gloo_run(tmp_path, dist_train):
     assert ckpt['meta']['iter'] == 3
     for key, value in ckpt['state_dict'].items():
         assert torch.equal(value, ranks[0]['state'][key]), key
+
+
+HEAVY_RANK_MODULE = """
+import torch
+from mmengine.dist import get_rank
+from mmengine.registry import MODELS
+from toy_classifier import ToyClassifier
+
+
+@MODELS.register_module(force=True)
+class RankOneHoldsMore(ToyClassifier):
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        if get_rank() == 1:  # 16 MiB made in scope, held from Python
+            self.held = torch.ones(4 * 2**20)
+        return super().forward(inputs, labels, mode)
+"""
+
+
+def test_the_log_shows_the_largest_figures_over_the_ranks(
+        tmp_path, dist_train):
+    # rank 0 writes the log: with its own figures alone, rank 1 above its
+    # threshold went unseen, with no warning (found by an adversarial
+    # search)
+    (tmp_path / 'dist_toy.py').write_text(HOOK_MODULE)
+    (tmp_path / 'rank_heavy.py').write_text(HEAVY_RANK_MODULE)
+    config = tmp_path / 'dist_cfg.py'
+    config.write_text(
+        TOY_CONFIG.replace("'dist_toy']", "'dist_toy', 'rank_heavy']") +
+        "model.update(type='RankOneHoldsMore')\n"
+        "dtr = dict(eviction_threshold='8MB')\n"
+        "default_hooks.update(logger=dict(type='LoggerHook', interval=1))\n")
+    out = dist_train(config, tmp_path / 'work', 'train_cfg.max_iters=2')
+    assert out.count('was not held in this iteration on rank 1:') == 1, \
+        out[-4000:]
+    failures = re.findall(r'dtr_eviction_failures: (\d+)', out)
+    peaks = re.findall(r'dtr_peak_memory_mb: ([\d.]+)', out)
+    assert len(failures) == len(peaks) == 2, out[-4000:]
+    assert all(int(n) > 0 for n in failures)
+    assert all(float(p) > 16 for p in peaks)
 
 
 def test_wrapper_classes_are_given_by_name():
