@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from .interrupts import put_back
+
 _C = torch._C
 # read on every recorded op (R1): a build without CUDA skips the CUDA ones
 _NAMES = ('mkldnn_enabled', 'mkldnn_deterministic', 'nnpack_enabled',
@@ -160,5 +162,5 @@ def switched_to(values: tuple):
     try:
         _put(values, now)
         yield
-    finally:
-        _put(now, current())
+    finally:  # all of them, through an interrupt
+        put_back(lambda: _put(now, current()))

@@ -180,17 +180,38 @@ class DTR:
             defer=state.recording_threshold is not None)
         if hooks.deferred:  # pushed when recording starts (R16)
             state.ready_to_record = hooks.enter_if_clear
-        mode.__enter__()
-        try:
+        self._collector = None  # a reused engine's was called at its exit
+        try:  # nothing left behind by an error or interrupt in here
+            mode.__enter__()
             hooks.enter()
+            self._collector = collector.space_collections(self)  # (R1)
+            self._state, self._mode, self._hooks = state, mode, hooks
+            self._thread = threading.get_ident()
+            _ACTIVE.engine = self
         except BaseException:
-            mode.__exit__(None, None, None)
+            self._undo_enter(mode, hooks)
             raise
-        self._collector = collector.space_collections(self)  # (R1)
-        self._state, self._mode, self._hooks = state, mode, hooks
-        self._thread = threading.get_ident()
-        _ACTIVE.engine = self
         return self
+
+    def _undo_enter(self, mode, hooks) -> None:
+        """Undo what a failed ``__enter__`` did: ``with`` calls no
+        ``__exit__`` then, and an interrupt there left the engine's mode
+        and hooks on the thread, and every later engine refused (found by
+        an adversarial search)."""
+        if getattr(_ACTIVE, 'engine', None) is self:
+            _ACTIVE.engine = None
+        self._state = self._mode = self._hooks = None
+        try:
+            hooks.exit()
+        finally:
+            try:
+                stack = _get_current_dispatch_mode_stack()
+                if stack and stack[-1] is mode:
+                    mode.__exit__(None, None, None)
+            finally:
+                if self._collector is not None:
+                    collector_done, self._collector = self._collector, None
+                    collector_done()
 
     def __exit__(self, exc_type, exc, tb):
         """Pop the hooks and the mode, and freeze :attr:`stats`.

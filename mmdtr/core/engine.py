@@ -316,8 +316,8 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             try:
                 if not unlocked:
                     return func(*args, **kwargs)
-                lock.release()  # as released() does, without a generator
-                try:  # on the hot path (R1)
+                try:  # as released() does, without a generator (R1)
+                    lock.release()
                     return func(*args, **kwargs)
                 finally:
                     lock.acquire()

@@ -33,8 +33,8 @@ if hasattr(os, 'register_at_fork'):
 @contextlib.contextmanager
 def released(lock):
     """``lock`` let go for the duration (once: a reentrant hold stays)."""
-    lock.release()
-    try:
+    try:  # an interrupt right after the release is inside: taken back
+        lock.release()
         yield
     finally:
         lock.acquire()

@@ -10,6 +10,7 @@ import torch
 
 from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
+from .interrupts import put_back
 from .op_semantics import op_info
 from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
 from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
@@ -29,11 +30,11 @@ def _default_dtype(dtype):
     if now is dtype:
         yield
         return
-    torch.set_default_dtype(dtype)
-    try:
+    try:  # an interrupt right after the set is inside: put back
+        torch.set_default_dtype(dtype)
         yield
     finally:
-        torch.set_default_dtype(now)
+        put_back(lambda: torch.set_default_dtype(now))
 
 
 _TAKING_GENERATOR = {}
@@ -47,17 +48,28 @@ def _outside_vmap():
     of autograd's ``is_grads_batched`` (and vectorized jacobians): a
     backward under either would refuse a replayed random op, or batch it;
     a replay reads plain tensors only (R6)."""
-    level = torch._C._vmapmode_increment_nesting() - 1
-    torch._C._vmapmode_decrement_nesting()
-    for _ in range(level):  # the legacy mode has no exclusion guard
-        torch._C._vmapmode_decrement_nesting()
+    left = 0  # legacy levels let go, each counted first: an interrupt is
+    # raised after a call returns, so the count stays true (interrupts.py)
     try:
+        try:
+            level = torch._C._vmapmode_increment_nesting() - 1
+        finally:
+            torch._C._vmapmode_decrement_nesting()
+        while left < level:  # the legacy mode has no exclusion guard
+            left += 1
+            torch._C._vmapmode_decrement_nesting()
         with torch._C._DisableFuncTorch(), \
                 torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE):
             yield
     finally:
-        for _ in range(level):
-            torch._C._vmapmode_increment_nesting()
+
+        def restore():
+            nonlocal left
+            while left:
+                left -= 1
+                torch._C._vmapmode_increment_nesting()
+
+        put_back(restore)
 
 
 def _taking_generator(func):

@@ -1,0 +1,192 @@
+"""An interrupt (Ctrl-C) inside the engine leaves no process-wide state
+behind (``core/interrupts.py``).
+
+Python raises ``KeyboardInterrupt`` where it next checks for signals,
+right after a call returns: each case makes one of the engine's calls raise
+it there, the way the handler would. Found by an adversarial search; each
+failed before its fix.
+"""
+import threading
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from mmdtr.core import collector, engine
+from mmdtr.core.interrupts import put_back
+from mmdtr.dtr import DTR, engine_active
+
+W = torch.randn(16, 16)
+
+
+def _chain_step(w):
+    h = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(6):
+        h = (h @ w).tanh()
+    h.sum().backward()
+
+
+def _legacy_vmap_level():
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    return level
+
+
+@pytest.mark.parametrize(
+    'name', ['_vmapmode_increment_nesting', '_vmapmode_decrement_nesting'])
+def test_an_interrupt_in_a_rebuild_leaves_the_vmap_level(monkeypatch, name):
+    # it stayed one too high: every later backward of the thread raised
+    # "backward() called inside torch.vmap", with DTR or without
+    real, calls = getattr(torch._C, name), []
+
+    def interrupted_once():
+        out = real()
+        calls.append(out)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return out
+
+    w = W.clone().requires_grad_()
+    monkeypatch.setattr(torch._C, name, interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        with DTR(eviction_threshold=1, evictee_minimum_size=0):
+            _chain_step(w)
+    monkeypatch.undo()
+    assert calls, 'no rebuild ran'
+    assert _legacy_vmap_level() == 0
+    w.grad = None
+    _chain_step(w)  # plain eager
+    assert w.grad is not None
+
+
+def test_an_interrupt_while_putting_the_dtype_back(monkeypatch):
+    # a replay runs under the recorded default dtype; cut short, the
+    # restore left it in force for the process
+    real, interrupted = torch.set_default_dtype, []
+
+    def set_default_dtype(dtype):
+        if dtype is torch.float64 and not interrupted:
+            interrupted.append(dtype)
+            raise KeyboardInterrupt  # before the restore ran
+        real(dtype)
+
+    w = W.clone().requires_grad_()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with DTR(eviction_threshold=1, evictee_minimum_size=0):
+                h = torch.randn(4, 16)
+                for _ in range(6):
+                    h = (h @ w).tanh()
+                real(torch.float64)  # changed before backward
+                monkeypatch.setattr(torch, 'set_default_dtype',
+                                    set_default_dtype)
+                h.sum().backward()
+        assert interrupted
+        assert torch.get_default_dtype() is torch.float64
+    finally:
+        real(torch.float32)
+
+
+def test_put_back_finishes_and_raises_the_interrupt():
+    done = []
+
+    def restore():
+        if not done:
+            done.append('cut short')
+            raise KeyboardInterrupt
+        done.append('ran to its end')
+
+    with pytest.raises(KeyboardInterrupt):
+        put_back(restore)
+    assert done == ['cut short', 'ran to its end']
+    put_back(lambda: done.append('once'))
+    assert done[-2:] == ['ran to its end', 'once']
+
+
+def test_an_interrupt_while_entering_leaves_nothing(monkeypatch):
+    # `with` calls no __exit__ when __enter__ raises: the mode and hooks
+    # stayed on the thread, and every later engine was refused
+    real = collector.space_collections
+
+    def interrupted(engine):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(collector, 'space_collections', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with DTR(eviction_threshold='1GB'):
+            pass
+    monkeypatch.setattr(collector, 'space_collections', real)
+    assert not _get_current_dispatch_mode_stack()
+    assert not engine_active()
+    w = W.clone().requires_grad_()
+    with DTR(eviction_threshold=1, evictee_minimum_size=0) as dtr:
+        _chain_step(w)
+    assert dtr.stats.recomputations > 0
+
+
+class _InterruptedRelease:
+    """The engines' lock, whose armed ``release`` raises the interrupt
+    once it has let go."""
+
+    def __init__(self):
+        self.lock, self.armed = threading.RLock(), False
+
+    def acquire(self, *args):
+        return self.lock.acquire(*args)
+
+    def release(self):
+        self.lock.release()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self.lock.__exit__(*exc_info)
+
+
+def test_an_interrupt_as_a_kernel_starts_stays_an_interrupt(monkeypatch):
+    # the lock is let go while an op's kernel runs: interrupted right
+    # after, the dispatch mode's release failed instead ("cannot release
+    # un-acquired lock"), and `except KeyboardInterrupt` missed it
+    lock = _InterruptedRelease()
+    monkeypatch.setattr(engine, 'ENGINE_LOCK', lock)
+    w = W.clone().requires_grad_()
+    with pytest.raises(KeyboardInterrupt):
+        with DTR(eviction_threshold='1GB'):
+            h = torch.randn(4, 16) @ w
+            lock.armed = True
+            h.tanh()
+    assert not lock.armed
+    assert lock.acquire(False)  # not held by anyone
+    lock.release()
+
+
+def test_an_interrupt_while_putting_the_switches_back(monkeypatch):
+    # the switches a call ran under (thread count, backend flags) are put
+    # back after its replay; cut short, some stayed as recorded
+    from mmdtr.core import backend_flags
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    torch.set_num_threads(other)
+    recorded = backend_flags.current()
+    torch.set_num_threads(before)
+    real, calls = backend_flags._put, []
+
+    def put(values, now):
+        calls.append(values)
+        if len(calls) == 2:  # the first restore, cut short at its start
+            raise KeyboardInterrupt
+        real(values, now)
+
+    monkeypatch.setattr(backend_flags, '_put', put)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with backend_flags.switched_to(recorded):
+                assert torch.get_num_threads() == other
+        assert len(calls) == 3
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
