@@ -4,7 +4,6 @@ As ``FlopCounterMode`` does, the public façade :class:`DTR` owns the state
 and a private, nearly empty ``TorchDispatchMode`` that forwards every op to
 it; the saved-tensor hooks are thin closures over the same state.
 """
-import dataclasses
 import difflib
 import threading
 from typing import Optional, Union
@@ -16,6 +15,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
 from mmdtr.errors import MmdtrError
 from . import collector
 from .accounting import oom_eviction_needs_cuda
+from .dtr_stats import DTRStats, stats_of
 from .engine import EngineState
 from .idle_ops import DeferredHooks, check_recording_threshold
 from .policies import build_policy
@@ -51,39 +51,6 @@ def _locked(lock, method):
             return method(value)
 
     return hook
-
-
-@dataclasses.dataclass(frozen=True)
-class DTRStats:
-    """What one engine did.
-
-    Attributes:
-        peak_memory (int): Peak of memory in use while active, in bytes (CPU:
-            storages allocated in scope; CUDA: ``memory_allocated``, the
-            allocator's own peak when it rose in scope).
-        evictions (int): Storages evicted.
-        recomputations (int): Storages rebuilt by replay.
-        remat_seconds (float): Host time spent rebuilding saved tensors.
-        eviction_failures (int): Times nothing evictable was left while
-            memory was above the limit in force: the threshold, or, after
-            a failure, memory in use plus an eighth of it (R11), so memory
-            may stay above the threshold with no further failure counted.
-        ops (int): The engine's clock: ops run in scope that completed
-            (``set_`` included; not calls on tensor subclasses), plus ops
-            replayed to rebuild storages.
-        threshold (int | None): The eviction threshold in bytes.
-        idle_ops (int): Ops run before recording started (the
-            ``recording_threshold``; 0 without one): what they allocated
-            is never evicted (R16).
-    """
-    peak_memory: int
-    evictions: int
-    recomputations: int
-    remat_seconds: float
-    eviction_failures: int
-    ops: int
-    threshold: Optional[int]
-    idle_ops: int = 0
 
 
 class DTR:
@@ -259,7 +226,7 @@ class DTR:
             try:
                 if not popped:
                     mode.__exit__(exc_type, exc, tb)
-                self._stats = self._snapshot(state)
+                self._stats = stats_of(state)
                 state.close()
             finally:
                 self._collector()
@@ -296,25 +263,11 @@ class DTR:
         """Statistics: live while active, final after exit."""
         if self._state is not None:
             with self._state.lock:  # (R12)
-                return self._snapshot(self._state)
+                return stats_of(self._state)
         if self._stats is None:
             raise MmdtrError('this DTR engine has not run yet.',
                              'Read stats inside or after a `with` block.')
         return self._stats
-
-    @staticmethod
-    def _snapshot(state: EngineState) -> DTRStats:
-        if state.cuda:
-            state.memory_in_use()  # a read brings the peak up to date (R11)
-        return DTRStats(
-            peak_memory=state.peak,
-            evictions=state.evictions,
-            recomputations=state.recomputations,
-            remat_seconds=state.remat_seconds,
-            eviction_failures=state.eviction_failures,
-            ops=state.clock,
-            threshold=state.threshold,
-            idle_ops=state.idle_ops)
 
 
 _ARGUMENTS = ('eviction_threshold', 'evictee_minimum_size',
