@@ -127,7 +127,7 @@ def check_dtr_combinations(cfg, custom_hooks: list) -> None:
       with values the engine refuses (checked here, not when the model is
       wrapped after the process group is set up);
     - a plain ``model_wrapper_cfg.type`` of mmdtr's in another scope (see
-      :func:`~.config_translation.check_scoped_type`).
+      :func:`~.registered_types.check_scoped_type`).
 
     Args:
         cfg (Config): The config.

@@ -326,21 +326,25 @@ def _per_rank(values: list) -> list:
 
 def _not_held(threshold: int, failed: list, ranks: int) -> str:
     """The warning for ``failed``, ``(rank, scalars)`` of the ranks whose
-    iteration had eviction failures, out of ``ranks``."""
-    peak = max(values[_PEAK] for _, values in failed) * 2**20
-    failures = sum(values[_FAILURES] for _, values in failed)
-    where = '' if ranks == 1 else (f' on rank {failed[0][0]}' if len(
-        failed) == 1 else f' on ranks {[rank for rank, _ in failed]}')
+    iteration had eviction failures, out of ``ranks``; the figures are the
+    largest of theirs, as logged."""
+    peak = format_size(max(values[_PEAK] for _, values in failed) * 2**20)
+    failures = int(max(values[_FAILURES] for _, values in failed))
+    where, logged = '', ''
+    if ranks > 1:
+        where = f' on rank {failed[0][0]}' if len(failed) == 1 else \
+            f' on ranks {[rank for rank, _ in failed]}'
+        logged = ', the largest over the ranks'
     return (f'mmdtr: dtr.eviction_threshold ({format_size(threshold)}) '
             f'was not held in this iteration{where}: memory in use rose to '
-            f'{format_size(peak)} with nothing evictable left '
-            f'({int(failures)} eviction failures). Below what must stay '
-            'resident (gradients, tensors held from Python, the op running) '
-            'rebuilds grow fast, the step slows, and the peak can pass that '
-            "of a step without DTR (a rebuild's inputs are remade too): "
-            f"raise it to '{format_size(peak)}' or more, or train without "
-            'DTR if that fits (train/dtr_eviction_failures counts each '
-            'iteration, the largest over the ranks; this is logged once).')
+            f'{peak} with nothing evictable left ({failures} eviction '
+            'failures). Below what must stay resident (gradients, tensors '
+            'held from Python, the op running) rebuilds grow fast, the step '
+            "slows, and the peak can pass that of a step without DTR (a "
+            f"rebuild's inputs are remade too): raise it to '{peak}' or "
+            'more, or train without DTR if that fits '
+            f'(train/dtr_eviction_failures counts each iteration{logged}; '
+            'this is logged once).')
 
 
 __all__ = [

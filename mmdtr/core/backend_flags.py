@@ -24,13 +24,12 @@ may change others (a legacy flag the per-backend values and another
 legacy flag, a parent precision what its unset children read):
 :func:`switched_to` sets them again until all read as asked.
 """
-import contextlib
 from functools import partial
 from typing import Optional
 
 import torch
 
-from .interrupts import put_back
+from .interrupts import interrupt_safe, put_back
 
 _C = torch._C
 # read on every recorded op (R1): a build without CUDA skips the CUDA ones
@@ -151,7 +150,7 @@ def _put(values: tuple, now: tuple) -> None:
         now = current()
 
 
-@contextlib.contextmanager
+@interrupt_safe
 def switched_to(values: tuple):
     """Run with the switches at ``values`` (from :func:`current`), and put
     them back as they were."""

@@ -1,9 +1,10 @@
 """The one lock every engine holds while it runs its bookkeeping (R12 of
 docs/design.md), the open engines, and what a fork does to both."""
-import contextlib
 import os
 import threading
 import weakref
+
+from .interrupts import interrupt_safe
 
 # One lock for every engine (R12): a thread holding an engine's lock may
 # free a storage another engine counts, whose callback takes that one's
@@ -30,7 +31,7 @@ if hasattr(os, 'register_at_fork'):
         after_in_child=_after_fork_in_child)
 
 
-@contextlib.contextmanager
+@interrupt_safe
 def released(lock):
     """``lock`` let go for the duration (once: a reentrant hold stays)."""
     try:  # an interrupt right after the release is inside: taken back

@@ -4,13 +4,12 @@ The replay half of :class:`~mmdtr.core.engine.EngineState` (one state
 object per engine; this mixin only groups its methods). Rules R4 and R6 of
 docs/design.md.
 """
-import contextlib
 
 import torch
 
 from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
-from .interrupts import put_back
+from .interrupts import interrupt_safe, put_back
 from .op_semantics import op_info
 from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
 from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
@@ -22,7 +21,7 @@ from .unseen_writes import (reach, shrunk, shrunk_unseen,
 Tensor = torch.Tensor
 
 
-@contextlib.contextmanager
+@interrupt_safe
 def _default_dtype(dtype):
     """The default dtype as it was when the call was recorded (R4); set
     only when it changed since, which is rare (it is process-wide)."""
@@ -42,7 +41,7 @@ _TAKING_GENERATOR = {}
 _VMAP_MODE = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchVmapMode)
 
 
-@contextlib.contextmanager
+@interrupt_safe
 def _outside_vmap():
     """Run a rebuild outside functorch's transforms and the legacy vmap
     of autograd's ``is_grads_batched`` (and vectorized jacobians): a

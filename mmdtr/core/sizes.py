@@ -11,6 +11,11 @@ _UNITS = {'': 1, 'b': 1}
 for _i, _p in enumerate('kmgt', start=1):
     _UNITS[_p + 'b'] = _UNITS[_p + 'ib'] = 1024**_i
 _PATTERN = re.compile(r'^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$')
+#: longer strings are refused before the pattern: it backtracks
+#: quadratically on a long run of digits (4 s for 10,000), and Fraction
+#: refuses more than 4,300 digits with a raw ValueError (an adversarial
+#: search)
+_MAX_CHARS = 64
 ACCEPTED = ("an int number of bytes, or a string like '5GB', '512MiB', "
             "'1.5 GB' (B, KB/KiB, MB/MiB, GB/GiB, TB/TiB; all binary, "
             "1GB = 2**30 bytes, in any case, as MegEngine reads them: "
@@ -42,10 +47,10 @@ def parse_size(value: Union[int, str, None],
         pass  # bool is an int subclass; reject it below
     elif isinstance(value, numbers.Integral):  # numpy's ints too
         if value < 0:
-            raise MmdtrError(f'{key}={value!r} is negative.',
+            raise MmdtrError(f'{key}={_shown(value)} is negative.',
                              f'Give {ACCEPTED}.')
         return int(value)
-    elif isinstance(value, str):
+    elif isinstance(value, str) and len(value) <= _MAX_CHARS:
         match = _PATTERN.match(value)
         if match and match.group(2).lower() in _UNITS:
             # exact: no float overflow on long digit strings, no rounding
@@ -56,7 +61,20 @@ def parse_size(value: Union[int, str, None],
                     f'Give {ACCEPTED}; 0 means "no threshold" where a '
                     'threshold may be left out.')
             return int(exact)  # fractions of a byte are dropped
-    raise MmdtrError(f'{key}={value!r} is not a size.', f'Give {ACCEPTED}.')
+    raise MmdtrError(f'{key}={_shown(value)} is not a size.',
+                     f'Give {ACCEPTED}.')
+
+
+def _shown(value) -> str:
+    """``value`` as an error names it: a long string cut short, a huge int
+    by its bits (Python prints no int of more than 4,300 digits)."""
+    if isinstance(value, str) and len(value) > _MAX_CHARS:
+        return f'{value[:_MAX_CHARS]!r}... ({len(value)} characters)'
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        bits = abs(int(value)).bit_length()
+        if bits > 256:
+            return f'{"-" if value < 0 else ""}(an int of {bits} bits)'
+    return repr(value)
 
 
 def format_size(nbytes: float) -> str:

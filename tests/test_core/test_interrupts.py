@@ -190,3 +190,48 @@ def test_an_interrupt_while_putting_the_switches_back(monkeypatch):
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def _interrupt_as_entered(generator_name):
+    """Raise the interrupt where Python checks for signals as contextlib's
+    ``__enter__`` gets the generator's ``yield`` back (its ``next``
+    returns), once."""
+    import sys
+
+    def profile(frame, event, arg):
+        if event == 'c_return' and arg is next \
+                and frame.f_code.co_name == '__enter__' \
+                and frame.f_locals['self'].gen.__name__ == generator_name:
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+
+
+def test_an_interrupt_as_a_context_is_entered_still_exits():
+    # the `with` had not begun, so its exit never ran: the lock stayed let
+    # go, the vmap level lowered, while the traceback lived (as a REPL's
+    # last one does; found by a review)
+    from mmdtr.core.engine_lock import released
+    from mmdtr.core.replay import _default_dtype, _outside_vmap
+    lock = threading.RLock()
+    with lock:
+        _interrupt_as_entered('released')
+        with pytest.raises(KeyboardInterrupt) as caught:
+            with released(lock):
+                pass
+        assert lock._is_owned(), caught
+    torch._C._vmapmode_increment_nesting()  # as is_grads_batched does
+    try:
+        _interrupt_as_entered('_outside_vmap')
+        with pytest.raises(KeyboardInterrupt) as caught:
+            with _outside_vmap():
+                pass
+        assert _legacy_vmap_level() == 1, caught
+    finally:
+        torch._C._vmapmode_decrement_nesting()
+    _interrupt_as_entered('_default_dtype')
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with _default_dtype(torch.float64):
+            pass
+    assert torch.get_default_dtype() is torch.float32, caught
