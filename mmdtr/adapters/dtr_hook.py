@@ -31,7 +31,8 @@ from mmdtr.registry import HOOKS, MODEL_WRAPPERS
 from .config_translation import (config_check, hook_name, memory_key,
                                  refuse_unless_dict)
 from .dtr_model_wrapper import DTRDistributedDataParallel
-from .dtr_train_step import AUTO, DTRTrainStep, dtr_settings, model_device
+from .dtr_train_step import (AUTO, DTRTrainStep, dtr_settings, is_auto,
+                             model_device)
 from .registered_types import check_registered_type, check_scoped_type
 
 KEY = 'dtr'
@@ -275,7 +276,7 @@ class DTRHook(Hook):
             evictee_minimum_size=evictee_minimum_size,
             enable_sqrt_sampling=enable_sqrt_sampling,
             policy=policy)
-        if recording_threshold != AUTO:  # 'auto' is implicit, as in dtr=
+        if not is_auto(recording_threshold):  # implicit, as in dtr=
             self.settings['recording_threshold'] = recording_threshold
         dtr_settings(self.settings, 'DTRHook')
         self.step: Optional[DTRTrainStep] = None

@@ -167,7 +167,15 @@ def engine_settings(settings: dict,
 def uses_auto(settings: dict) -> bool:
     """Whether validated settings leave ``recording_threshold`` to
     ``'auto'`` (R16)."""
-    return settings.get('recording_threshold', AUTO) == AUTO
+    return is_auto(settings.get('recording_threshold', AUTO))
+
+
+def is_auto(value) -> bool:
+    """Whether a ``recording_threshold`` is ``'auto'``; compared only when
+    it is a string (an array compared element-wise, then raised NumPy's
+    "truth value of an array is ambiguous"; found by an adversarial
+    search)."""
+    return isinstance(value, str) and value == AUTO
 
 
 def model_device(model: nn.Module) -> Optional[torch.device]:

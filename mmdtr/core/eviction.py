@@ -12,9 +12,18 @@ from .allocation_failures import (allocator_snapshot, bytes_needed,
                                   cheapest_contiguous_run, largest_free_block,
                                   planning_applies, segments_for,
                                   take_failed_request)
+from .policies import policy_failed
 from .torch_compat import STORAGE_OBJECT_USES
 
 _use_count = torch._C._storage_Use_Count
+
+
+def _scored(policy, score, rec, clock) -> float:
+    """``score(rec, clock)``, a float, else :func:`.policy_failed`."""
+    try:
+        return float(score(rec, clock))
+    except Exception as error:
+        raise policy_failed(policy, error) from error
 
 
 def _exclusive(rec) -> bool:
@@ -165,10 +174,13 @@ class Evictor:
             pool = [rec for rec in pool if id(rec) not in kept]
         score, clock = self.policy.score, self.clock
         best, best_score = None, float('inf')
-        for rec in pool:
-            value = score(rec, clock)
-            if value < best_score and _exclusive(rec):
-                best, best_score = rec, value
+        try:
+            for rec in pool:
+                value = score(rec, clock)
+                if value < best_score and _exclusive(rec):
+                    best, best_score = rec, value
+        except Exception as error:  # the policy's (R8)
+            raise policy_failed(self.policy, error) from error
         return best
 
     def _evict_for_allocation(self, error) -> bool:
@@ -207,7 +219,8 @@ class Evictor:
                 if address is not None:
                     # two storages over one address (R14): neither goes
                     evictable[address] = (math.inf, None) if (
-                        address in evictable) else (score(rec, clock), rec)
+                        address in evictable) else (_scored(
+                            self.policy, score, rec, clock), rec)
         snapshot = allocator_snapshot()
         if snapshot is None:
             return None

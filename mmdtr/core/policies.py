@@ -9,6 +9,8 @@ makes one reachable by name, from ``DTR(policy=...)`` and from the ``dtr``
 config key.
 """
 import inspect
+import math
+import numbers
 from typing import Dict, Optional, Type
 
 from mmdtr.errors import MmdtrError
@@ -72,6 +74,16 @@ class DTRPolicy(EvictionPolicy):
     name = 'dtr'
 
     def __init__(self, recompute_penalty: float = 1.0):
+        if not isinstance(recompute_penalty, numbers.Real) or isinstance(
+                recompute_penalty, bool
+        ) or not math.isfinite(recompute_penalty) or recompute_penalty < 0:
+            # nan or inf made every score NaN: nothing was evicted (found
+            # by an adversarial search)
+            raise MmdtrError(
+                f'{type(self).__name__}(recompute_penalty='
+                f'{recompute_penalty!r}) is not accepted: a finite number, '
+                '0 or more.', "e.g. 1.0 (the default, MegEngine's); 0 turns "
+                'the penalty off.')
         self.recompute_penalty = recompute_penalty
 
     def score(self, record, clock: int) -> float:
@@ -160,16 +172,24 @@ def register_policy(cls: Optional[Type[EvictionPolicy]] = None,
             'Subclass mmdtr.dtr.EvictionPolicy and implement '
             'score(record, clock).')
     name = cls.__dict__.get('name')
-    if not isinstance(name, str) or not name:
+    if 'name' not in cls.__dict__:
         raise MmdtrError(
             f'register_policy({cls.__name__}): the class sets no name of '
             f'its own (name={getattr(cls, "name", None)!r} is inherited).',
             f"Give it a class attribute, e.g. name = "
             f"'{cls.__name__.lower()}'.")
+    if not isinstance(name, str) or not name:
+        raise MmdtrError(
+            f'register_policy({cls.__name__}): name={name!r} is not '
+            'accepted: a non-empty str.',
+            f"e.g. name = '{cls.__name__.lower()}'.")
     if cls.score is EvictionPolicy.score:
         raise MmdtrError(
             f'register_policy({cls.__name__}): it does not implement '
             'score(record, clock).', 'Override score in the class.')
+    raw = inspect.getattr_static(cls, 'score')
+    _check_score(f'register_policy({cls.__name__})', cls.score,
+                 isinstance(raw, (staticmethod, classmethod)))
     try:
         inspect.signature(cls).bind()
     except TypeError:
@@ -228,6 +248,7 @@ def build_policy(policy) -> EvictionPolicy:
                 'EvictionPolicy is an abstract base class.',
                 f'Override score in a subclass, or use one of '
                 f'{sorted(POLICIES)}.')
+        _check_score(f'policy={type(policy).__name__}()', policy.score, True)
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
@@ -235,3 +256,31 @@ def build_policy(policy) -> EvictionPolicy:
         f'policy={policy!r} is not an eviction policy.',
         f'Use one of {sorted(POLICIES)} (names registered with '
         'register_policy) or an EvictionPolicy instance.')
+
+
+def _check_score(owner: str, score, bound: bool) -> None:
+    """Refuse a ``score`` that cannot be called as ``score(record,
+    clock)`` (``bound``: ``self`` given already); it failed at the first
+    eviction, out of whatever op ran (found by an adversarial search)."""
+    try:
+        inspect.signature(score).bind(*((None, 0) if bound else (None, None,
+                                                                 0)))
+    except (TypeError, ValueError):
+        raise MmdtrError(
+            f'{owner}: score={score!r} cannot be called as '
+            'score(record, clock).',
+            'Define def score(self, record, clock) -> float in the '
+            'class.') from None
+
+
+def policy_failed(policy, error: Exception) -> MmdtrError:
+    """The error for ``policy``'s ``score``, which raised ``error`` or
+    returned what does not compare with a float: out of an op's eviction,
+    a ``TypeError`` became the op's own (``unsupported operand type(s)
+    for @``; found by an adversarial search)."""
+    return MmdtrError(
+        f'the eviction policy {type(policy).__name__} (name='
+        f'{getattr(policy, "name", None)!r}) failed to score a storage: '
+        f'{type(error).__name__}: {error}',
+        'score(record, clock) must return a float (lower is evicted '
+        'first; inf or NaN never) and raise nothing.')

@@ -15,7 +15,9 @@ _PATTERN = re.compile(r'^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$')
 #: quadratically on a long run of digits (4 s for 10,000), and Fraction
 #: refuses more than 4,300 digits with a raw ValueError (an adversarial
 #: search)
-_MAX_CHARS = 64
+_MAX_CHARS = 1000
+#: what an error shows of a longer string
+_SHOWN_CHARS = 64
 ACCEPTED = ("an int number of bytes, or a string like '5GB', '512MiB', "
             "'1.5 GB' (B, KB/KiB, MB/MiB, GB/GiB, TB/TiB; all binary, "
             "1GB = 2**30 bytes, in any case, as MegEngine reads them: "
@@ -68,8 +70,8 @@ def parse_size(value: Union[int, str, None],
 def _shown(value) -> str:
     """``value`` as an error names it: a long string cut short, a huge int
     by its bits (Python prints no int of more than 4,300 digits)."""
-    if isinstance(value, str) and len(value) > _MAX_CHARS:
-        return f'{value[:_MAX_CHARS]!r}... ({len(value)} characters)'
+    if isinstance(value, str) and len(value) > _SHOWN_CHARS:
+        return f'{value[:_SHOWN_CHARS]!r}... ({len(value)} characters)'
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         bits = abs(int(value)).bit_length()
         if bits > 256:

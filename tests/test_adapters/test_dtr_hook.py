@@ -372,3 +372,16 @@ def test_a_threshold_not_held_is_logged_once(tmp_path, make_cfg, threshold):
     else:
         assert not any(failures)
         assert warned == 0
+
+
+def test_an_array_as_recording_threshold_gets_mmdtrs_error():
+    # compared with 'auto' first, it raised NumPy's "truth value of an
+    # array ... is ambiguous" (found by an adversarial search)
+    import numpy as np
+
+    from mmdtr.adapters.dtr_train_step import dtr_settings
+    value = np.array([1, 2])
+    with pytest.raises(MmdtrError, match='recording_threshold=array'):
+        DTRHook(eviction_threshold='1GB', recording_threshold=value)
+    with pytest.raises(MmdtrError, match='recording_threshold=array'):
+        dtr_settings(dict(eviction_threshold='1GB', recording_threshold=value))

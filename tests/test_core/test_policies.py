@@ -282,19 +282,33 @@ class _NoName(LRUPolicy):
         return 0.0
 
 
-@pytest.mark.parametrize('cls, match', [
-    (LRUPolicy, None),
-    (_NoName, "sets no name of its own \\(name='lru' is inherited"),
-    (EvictionPolicy, 'does not implement score'),
-    (int, 'not a subclass of EvictionPolicy'),
-    (type('_Lazy',
-          (EvictionPolicy, ), {'name': 'lazy'}), 'does not implement score'),
-    (type('_Clash', (LRUPolicy, ), {'name': 'dtr'}), "'dtr' is taken by"),
-    (type('_Needs', (LRUPolicy, ), {
-        'name': 'needs',
-        '__init__': lambda self, k: None
-    }), 'cannot be built without arguments'),
-])
+@pytest.mark.parametrize(
+    'cls, match',
+    [
+        (LRUPolicy, None),
+        (_NoName, "sets no name of its own \\(name='lru' is inherited"),
+        (EvictionPolicy, 'does not implement score'),
+        (int, 'not a subclass of EvictionPolicy'),
+        (type('_Lazy', (EvictionPolicy, ),
+              {'name': 'lazy'}), 'does not implement score'),
+        (type('_Clash', (LRUPolicy, ), {'name': 'dtr'}), "'dtr' is taken by"),
+        (type('_Needs', (LRUPolicy, ), {
+            'name': 'needs',
+            '__init__': lambda self, k: None
+        }), 'cannot be built without arguments'),
+        # found by an adversarial search: accepted, then failed at the first
+        # eviction, or with a message about inheriting
+        (type('_NoArgs', (LRUPolicy, ), {
+            'name': 'no_args',
+            'score': lambda self: 0.0
+        }), 'cannot be called as score\\(record, clock\\)'),
+        (type('_NotCallable', (LRUPolicy, ), {
+            'name': 'not_callable',
+            'score': None
+        }), 'cannot be called as score'),
+        (type('_NumberName', (LRUPolicy, ),
+              {'name': 5}), 'name=5 is not accepted: a non-empty str'),
+    ])
 def test_register_policy_refusals(cls, match):
     if match is None:  # the same class again: nothing changes
         assert register_policy(cls) is cls and POLICIES['lru'] is cls
@@ -312,3 +326,46 @@ def test_register_policy_force_replaces_a_name():
         assert isinstance(build_policy('lru'), clash)
     finally:
         POLICIES['lru'] = LRUPolicy
+
+
+class _ReturnsNone(LRUPolicy):
+    name = 'returns_none'
+
+    def score(self, record, clock):
+        return None
+
+
+class _Raises(LRUPolicy):
+    name = 'raises'
+
+    def score(self, record, clock):
+        return 1 / 0
+
+
+@pytest.mark.parametrize('policy, error', [(_ReturnsNone(), 'TypeError'),
+                                           (_Raises(), 'ZeroDivisionError')])
+def test_a_failing_score_is_named_at_the_eviction(policy, error):
+    # out of `h @ w`, torch turned the TypeError into "unsupported operand
+    # type(s) for @", with no cause (found by an adversarial search)
+    from mmdtr.dtr import DTR
+    w = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(
+            MmdtrError,
+            match=f'{type(policy).__name__} '
+            f".*failed to score a storage: {error}") as info:
+        with DTR(eviction_threshold=1, evictee_minimum_size=0, policy=policy):
+            h = torch.randn(8, 64)
+            for _ in range(4):
+                h = (h @ w).tanh()
+    assert 'must return a float' in info.value.hint
+
+
+@pytest.mark.parametrize('penalty',
+                         [float('nan'),
+                          float('inf'), -1.0, 'a', True])
+def test_a_recompute_penalty_that_is_no_finite_number_is_refused(penalty):
+    # nan and inf made every score NaN, so nothing was evicted (found by an
+    # adversarial search)
+    with pytest.raises(MmdtrError, match='recompute_penalty=.* a finite '):
+        DTRPolicy(recompute_penalty=penalty)
+    assert DTRPolicy(recompute_penalty=0).recompute_penalty == 0

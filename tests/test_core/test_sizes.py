@@ -49,3 +49,18 @@ def test_rejected_sizes_name_the_key_and_value(value, match):
 def test_format_size():
     assert format_size(3 * 2**29) == '1.50 GiB'
     assert format_size(512) == '512 B'
+
+
+@pytest.mark.parametrize(
+    'value, shown', [
+        ('1' * 5000 + 'GB', "'1111"),
+        ('1' * 10000 + '!', '(10001 characters)'),
+        (-10**5000, '-(an int of 16610 bits)'),
+    ],
+    ids=['digits', 'digits_then_a_sign', 'huge_int'])
+def test_huge_values_are_refused_at_once_with_a_short_message(value, shown):
+    # Python's raw "Exceeds the limit (4300 digits)", and a pattern that
+    # took 4 s on 10,000 digits (found by an adversarial search)
+    with pytest.raises(MmdtrError, match='is (not a size|negative)') as info:
+        parse_size(value, 'eviction_threshold')
+    assert shown in str(info.value) and len(str(info.value)) < 800
