@@ -18,7 +18,7 @@ import torch
 
 from .accounting import Accounting
 from .arguments import argument_storages
-from .engine_lock import ENGINE_LOCK, OPEN_ENGINES, released
+from .engine_lock import ENGINE_LOCK, OPEN_ENGINES, holds, released, take_back
 from .eviction import Evictor
 from .foreign_memory import ForeignMemory
 from .idle_ops import IdleOps
@@ -316,11 +316,12 @@ class EngineState(Accounting, Evictor, ForeignMemory, IdleOps, Recipes,
             try:
                 if not unlocked:
                     return func(*args, **kwargs)
+                count = holds(lock)
                 try:  # as released() does, without a generator (R1)
                     lock.release()
                     return func(*args, **kwargs)
                 finally:
-                    lock.acquire()
+                    take_back(lock, count)
             except torch.cuda.OutOfMemoryError as error:  # (R15)
                 if not self.cuda or not self._evict_for_allocation(error):
                     raise

@@ -34,8 +34,33 @@ if hasattr(os, 'register_at_fork'):
 @interrupt_safe
 def released(lock):
     """``lock`` let go for the duration (once: a reentrant hold stays)."""
+    count = holds(lock)
     try:  # an interrupt right after the release is inside: taken back
         lock.release()
         yield
     finally:
+        take_back(lock, count)
+
+
+def holds(lock) -> int:
+    """How many times this thread holds ``lock`` (an ``RLock``)."""
+    try:
+        return lock._recursion_count()
+    except AttributeError:  # an RLock of Python before 3.11 (held once)
+        return int(lock._is_owned())
+
+
+def take_back(lock, count: int) -> None:
+    """Acquire ``lock`` again, to ``count`` holds by this thread. An
+    interrupt while ``acquire`` waits for another thread leaves it not
+    taken (POSIX), one as it returns leaves it taken: the count tells, and
+    the interrupt goes on once the lock is held (a review)."""
+    try:
         lock.acquire()
+    except KeyboardInterrupt:
+        while holds(lock) < count:
+            try:
+                lock.acquire()
+            except KeyboardInterrupt:
+                pass
+        raise

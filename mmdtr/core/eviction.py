@@ -5,6 +5,7 @@ object per engine; this mixin only groups its methods). Rules R3, R8 and
 R11 (the limit in force) and R15 (allocation failures) of docs/design.md.
 """
 import math
+import numbers
 
 import torch
 
@@ -19,11 +20,22 @@ _use_count = torch._C._storage_Use_Count
 
 
 def _scored(policy, score, rec, clock) -> float:
-    """``score(rec, clock)``, a float, else :func:`.policy_failed`."""
+    """``score(rec, clock)`` as a float, else :func:`.policy_failed`: a
+    number, as :meth:`Evictor._best` takes (a str is no score)."""
     try:
-        return float(score(rec, clock))
+        value = score(rec, clock)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f'score returned {value!r}, not a number')
+        return float(value)
     except Exception as error:
         raise policy_failed(policy, error) from error
+
+
+def _same_device(device, metered) -> bool:
+    """Whether a storage on ``device`` is on the ``metered`` one, which
+    may be given without an index (``'cuda'``)."""
+    return metered is None or device.type == metered.type and (
+        metered.index is None or device.index == metered.index)
 
 
 def _exclusive(rec) -> bool:
@@ -60,9 +72,13 @@ class Evictor:
     """
 
     def _add_candidate(self, rec):
-        # an empty storage frees nothing (and policies divide by its size)
+        # an empty storage frees nothing (and policies divide by its size),
+        # nor does one on another device than the metered one (a CPU
+        # tensor under a CUDA engine; found by a review of the CUDA paths)
         if rec.cand_index < 0 and rec.nbytes >= max(self.min_size, 1) \
-                and rec.recomputable(rec.version):
+                and rec.recomputable(rec.version) and (
+                    rec.device == self.device or _same_device(
+                        rec.device, self.device)):
             rec.cand_index = len(self.candidates)
             self.candidates.append(rec)
 
@@ -174,13 +190,14 @@ class Evictor:
             pool = [rec for rec in pool if id(rec) not in kept]
         score, clock = self.policy.score, self.clock
         best, best_score = None, float('inf')
-        try:
-            for rec in pool:
+        for rec in pool:
+            try:  # the policy's alone (R8)
                 value = score(rec, clock)
-                if value < best_score and _exclusive(rec):
-                    best, best_score = rec, value
-        except Exception as error:  # the policy's (R8)
-            raise policy_failed(self.policy, error) from error
+                lower = value < best_score
+            except Exception as error:
+                raise policy_failed(self.policy, error) from error
+            if lower and _exclusive(rec):
+                best, best_score = rec, value
         return best
 
     def _evict_for_allocation(self, error) -> bool:

@@ -54,11 +54,13 @@ class _InterruptSafe:
         self.context = context
 
     def __enter__(self):
+        first = inspect.getgeneratorstate(
+            self.context.gen) == inspect.GEN_CREATED
         try:
             return self.context.__enter__()
         except BaseException as error:
             state = inspect.getgeneratorstate(self.context.gen)
-            if state == inspect.GEN_SUSPENDED:
+            if first and state == inspect.GEN_SUSPENDED:
                 self.context.__exit__(type(error), error, error.__traceback__)
             raise
 

@@ -74,15 +74,14 @@ class DTRPolicy(EvictionPolicy):
     name = 'dtr'
 
     def __init__(self, recompute_penalty: float = 1.0):
-        if not isinstance(recompute_penalty, numbers.Real) or isinstance(
-                recompute_penalty, bool
-        ) or not math.isfinite(recompute_penalty) or recompute_penalty < 0:
+        if not _finite_at_least_0(recompute_penalty):
             # nan or inf made every score NaN: nothing was evicted (found
             # by an adversarial search)
             raise MmdtrError(
                 f'{type(self).__name__}(recompute_penalty='
-                f'{recompute_penalty!r}) is not accepted: a finite number, '
-                '0 or more.', "e.g. 1.0 (the default, MegEngine's); 0 turns "
+                f'{recompute_penalty!r}) is not accepted: a finite int or '
+                'float, 0 or more.',
+                "e.g. 1.0 (the default, MegEngine's); 0 turns "
                 'the penalty off.')
         self.recompute_penalty = recompute_penalty
 
@@ -187,9 +186,6 @@ def register_policy(cls: Optional[Type[EvictionPolicy]] = None,
         raise MmdtrError(
             f'register_policy({cls.__name__}): it does not implement '
             'score(record, clock).', 'Override score in the class.')
-    raw = inspect.getattr_static(cls, 'score')
-    _check_score(f'register_policy({cls.__name__})', cls.score,
-                 isinstance(raw, (staticmethod, classmethod)))
     try:
         inspect.signature(cls).bind()
     except TypeError:
@@ -200,6 +196,9 @@ def register_policy(cls: Optional[Type[EvictionPolicy]] = None,
             'arguments, as a name builds it.',
             'Give its arguments defaults, or pass an instance to '
             'DTR(policy=...).') from None
+    # on an instance, as a name builds it: a callable object, a partial or
+    # a property as score are bound there, not on the class (a review)
+    _check_score(f'register_policy({cls.__name__})', cls().score)
     if name in POLICIES and POLICIES[name] is not cls and not force:
         raise MmdtrError(
             f'register_policy({cls.__name__}): the name {name!r} is taken '
@@ -248,7 +247,7 @@ def build_policy(policy) -> EvictionPolicy:
                 'EvictionPolicy is an abstract base class.',
                 f'Override score in a subclass, or use one of '
                 f'{sorted(POLICIES)}.')
-        _check_score(f'policy={type(policy).__name__}()', policy.score, True)
+        _check_score(f'policy={type(policy).__name__}()', policy.score)
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
@@ -258,13 +257,12 @@ def build_policy(policy) -> EvictionPolicy:
         'register_policy) or an EvictionPolicy instance.')
 
 
-def _check_score(owner: str, score, bound: bool) -> None:
-    """Refuse a ``score`` that cannot be called as ``score(record,
-    clock)`` (``bound``: ``self`` given already); it failed at the first
-    eviction, out of whatever op ran (found by an adversarial search)."""
+def _check_score(owner: str, score) -> None:
+    """Refuse an instance's ``score`` that cannot be called as
+    ``score(record, clock)``; it failed at the first eviction, out of
+    whatever op ran (found by an adversarial search)."""
     try:
-        inspect.signature(score).bind(*((None, 0) if bound else (None, None,
-                                                                 0)))
+        inspect.signature(score).bind(None, 0)
     except (TypeError, ValueError):
         raise MmdtrError(
             f'{owner}: score={score!r} cannot be called as '
@@ -284,3 +282,14 @@ def policy_failed(policy, error: Exception) -> MmdtrError:
         f'{type(error).__name__}: {error}',
         'score(record, clock) must return a float (lower is evicted '
         'first; inf or NaN never) and raise nothing.')
+
+
+def _finite_at_least_0(value) -> bool:
+    """Whether ``value`` is a real number (not a bool) a float can hold,
+    finite and not negative."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:  # an int beyond any float
+        return False

@@ -108,13 +108,18 @@ class Replayer:
                        None)
         if gen is not None:
             return gen, gen.get_state()
+        # the device the op draws on: its device= keyword if given (the
+        # first tensor's was taken over it: randint_like(cpu_t,
+        # device='cuda') drew on CUDA and replayed from the CPU's state;
+        # found by a review), and an unindexed 'cuda' as it is now
         device = kwargs.get('device')
-        for a in args:
-            if isinstance(a, Tensor):
-                device = a.device
-                break
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, Tensor)),
+                          None)
         if device is not None and torch.device(device).type == 'cuda':
             device = torch.device(device)
+            if device.index is None:
+                device = torch.device('cuda', torch.cuda.current_device())
             return ('cuda', device), torch.cuda.get_rng_state(device)
         return None, torch.get_rng_state()
 

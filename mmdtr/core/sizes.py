@@ -59,7 +59,7 @@ def parse_size(value: Union[int, str, None],
             exact = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
             if 0 < exact < 1:
                 raise MmdtrError(
-                    f'{key}={value!r} is less than one byte.',
+                    f'{key}={_shown(value)} is less than one byte.',
                     f'Give {ACCEPTED}; 0 means "no threshold" where a '
                     'threshold may be left out.')
             return int(exact)  # fractions of a byte are dropped

@@ -20,6 +20,7 @@ class EvictionsStub(Evictor):
         self.sqrt_sampling, self._sampler = sqrt_sampling, random.Random(0)
         self.classes, self.threshold, self.limit = False, 2**20, limit
         self.thrashing = thrashing
+        self.device = None  # metered: none yet (a test may set one)
 
 
 def make_candidates(evictions, n):
@@ -30,7 +31,9 @@ def make_candidates(evictions, n):
     for clock in range(n):
         alias = torch.empty(2**10, dtype=torch.uint8)
         storage = alias.untyped_storage()
-        rec = StorageRecord(storage.nbytes(), storage.device, clock)
+        # on the device the stub meters, as the engine's candidates are
+        device = evictions.device or storage.device
+        rec = StorageRecord(storage.nbytes(), device, clock)
         rec.cdata, rec.lo = storage._cdata, 0  # resident, recomputable
         rec.wref = weakref.ref(storage)
         # the engine's alias, the storage's only use but its object's (R3):

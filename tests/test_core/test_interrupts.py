@@ -134,6 +134,9 @@ class _InterruptedRelease:
     def acquire(self, *args):
         return self.lock.acquire(*args)
 
+    def _recursion_count(self):
+        return self.lock._recursion_count()
+
     def release(self):
         self.lock.release()
         if self.armed:
@@ -235,3 +238,31 @@ def test_an_interrupt_as_a_context_is_entered_still_exits():
         with _default_dtype(torch.float64):
             pass
     assert torch.get_default_dtype() is torch.float32, caught
+
+
+class _AcquireInterruptedOnce:
+    """An RLock whose first ``acquire`` is cut short while it waits, as
+    Ctrl-C does on POSIX: raised, not taken."""
+
+    def __init__(self):
+        self.lock, self.interrupted = threading.RLock(), False
+
+    def acquire(self, *args):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return self.lock.acquire(*args)
+
+    def _recursion_count(self):
+        return self.lock._recursion_count()
+
+
+def test_an_interrupt_while_waiting_for_the_lock_still_takes_it():
+    # while another thread held it, acquire raised without taking it, and
+    # the engine went on without its lock (found by a review)
+    from mmdtr.core.engine_lock import take_back
+    lock = _AcquireInterruptedOnce()
+    with pytest.raises(KeyboardInterrupt):
+        take_back(lock, 1)
+    assert lock.interrupted and lock.lock._recursion_count() == 1
+    lock.lock.release()

@@ -390,3 +390,23 @@ def test_a_backward_in_inference_mode_rebuilds_normal_tensors():
 
     expected = step()
     assert torch.equal(_under_dtr(step), expected)
+
+
+def test_a_random_op_given_a_device_captures_that_devices_generator(
+        monkeypatch):
+    # randint_like(cpu_t, 10, device='cuda') draws on CUDA: the first
+    # tensor's device was taken over the keyword, so the CPU's state was
+    # captured and the rebuild drew other numbers; and an unindexed 'cuda'
+    # was resolved again at each use (found by a review of the CUDA paths)
+    from mmdtr.core.replay import Replayer
+    asked = []
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 1)
+    monkeypatch.setattr(torch.cuda, 'get_rng_state',
+                        lambda device: asked.append(device) or 'state')
+    t = torch.randn(4)
+    for given in ('cuda', torch.device('cuda', 1)):
+        gen, state = Replayer._capture_rng((t, 10), {'device': given})
+        assert gen == ('cuda', torch.device('cuda', 1)) and state == 'state'
+    assert asked == [torch.device('cuda', 1)] * 2
+    gen, _ = Replayer._capture_rng((t, ), {})
+    assert gen is None  # the CPU's default generator
