@@ -266,3 +266,19 @@ def test_an_interrupt_while_waiting_for_the_lock_still_takes_it():
         take_back(lock, 1)
     assert lock.interrupted and lock.lock._recursion_count() == 1
     lock.lock.release()
+
+
+def test_an_error_entering_a_context_again_leaves_the_first_alone():
+    # contextlib refuses a context entered twice; that error was taken for
+    # an interrupt of the first step, and the lock taken back inside the
+    # first `with` (a review)
+    from mmdtr.core.engine_lock import released
+    lock = threading.RLock()
+    with lock:
+        context = released(lock)
+        with context:
+            with pytest.raises((AttributeError, RuntimeError)):
+                with context:
+                    pass
+            assert not lock._is_owned()
+        assert lock._is_owned()

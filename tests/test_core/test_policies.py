@@ -3,6 +3,8 @@
 No autograd and no engine: records are built by hand, and the policy is a
 pure function of a record and the clock.
 """
+import types
+
 import pytest
 import torch
 
@@ -369,3 +371,45 @@ def test_a_recompute_penalty_that_is_no_finite_number_is_refused(penalty):
     with pytest.raises(MmdtrError, match='recompute_penalty=.* a finite '):
         DTRPolicy(recompute_penalty=penalty)
     assert DTRPolicy(recompute_penalty=0).recompute_penalty == 0
+
+
+class _Scorer:
+
+    def __call__(self, record, clock):
+        return float(record.nbytes)
+
+
+def test_a_callable_object_as_score_is_accepted():
+    # bound on an instance, not on the class: refused at first (a review)
+    cls = type('_CallableScore', (LRUPolicy, ), {
+        'name': 'callable_score_for_tests',
+        'score': _Scorer()
+    })
+    try:
+        assert register_policy(cls) is cls
+        assert build_policy('callable_score_for_tests').score(
+            types.SimpleNamespace(nbytes=4), 0) == 4.0
+    finally:
+        POLICIES.pop('callable_score_for_tests', None)
+
+
+def test_a_penalty_beyond_any_float_is_refused():
+    with pytest.raises(MmdtrError, match='recompute_penalty=.* a finite '):
+        DTRPolicy(recompute_penalty=10**400)  # an OverflowError before
+
+
+def test_an_engine_error_in_the_search_is_not_blamed_on_the_policy(
+        monkeypatch):
+    from mmdtr.core import eviction
+    from mmdtr.dtr import DTR
+
+    def broken(rec):
+        raise RuntimeError('the engine broke')
+
+    monkeypatch.setattr(eviction, '_exclusive', broken)
+    w = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match='the engine broke'):
+        with DTR(eviction_threshold=1, evictee_minimum_size=0):
+            h = torch.randn(8, 64)
+            for _ in range(4):
+                h = (h @ w).tanh()
