@@ -413,3 +413,11 @@ def test_an_engine_error_in_the_search_is_not_blamed_on_the_policy(
             h = torch.randn(8, 64)
             for _ in range(4):
                 h = (h @ w).tanh()
+
+
+def test_an_instance_whose_score_cannot_be_called_so_is_refused():
+    from mmdtr.dtr import DTR
+    policy = LRUPolicy()
+    policy.score = lambda record: 0.0  # set on the instance
+    with pytest.raises(MmdtrError, match='cannot be called as score'):
+        DTR(eviction_threshold='1GB', policy=policy)
