@@ -9,66 +9,19 @@ import torch
 
 from mmdtr.errors import MmdtrError
 from .backend_flags import switched_to
-from .interrupts import interrupt_safe, put_back
 from .op_semantics import op_info
 from .rebuild_memo import read_once, reads_in_a_rebuild, shrank
 from .recipe_refs import HeldRef, RecordRef, ScratchRef, SelfRef
 from .recipes import AllocNode
 from .records import detached_alias, view_meta, view_of
+from .replay_settings import (NON_BLOCKING_COPIES, blocking, outside_vmap,
+                              recorded_default_dtype)
 from .unseen_writes import (reach, shrunk, shrunk_unseen,
                             stale_after_unseen_write, unseen_write)
 
 Tensor = torch.Tensor
 
-
-@interrupt_safe
-def _default_dtype(dtype):
-    """The default dtype as it was when the call was recorded (R4); set
-    only when it changed since, which is rare (it is process-wide)."""
-    now = torch.get_default_dtype()
-    if now is dtype:
-        yield
-        return
-    try:  # an interrupt right after the set is inside: put back
-        torch.set_default_dtype(dtype)
-        yield
-    finally:
-        put_back(lambda: torch.set_default_dtype(now))
-
-
 _TAKING_GENERATOR = {}
-#: the key under which torch.func's vmap refuses (or batches) random ops
-_VMAP_MODE = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchVmapMode)
-
-
-@interrupt_safe
-def _outside_vmap():
-    """Run a rebuild outside functorch's transforms and the legacy vmap
-    of autograd's ``is_grads_batched`` (and vectorized jacobians): a
-    backward under either would refuse a replayed random op, or batch it;
-    a replay reads plain tensors only (R6)."""
-    left = 0  # legacy levels let go, each counted first: an interrupt is
-    # raised after a call returns, so the count stays true (interrupts.py)
-    try:
-        try:
-            level = torch._C._vmapmode_increment_nesting() - 1
-        finally:
-            torch._C._vmapmode_decrement_nesting()
-        while left < level:  # the legacy mode has no exclusion guard
-            left += 1
-            torch._C._vmapmode_decrement_nesting()
-        with torch._C._DisableFuncTorch(), \
-                torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE):
-            yield
-    finally:
-
-        def restore():
-            nonlocal left
-            while left:
-                left -= 1
-                torch._C._vmapmode_increment_nesting()
-
-        put_back(restore)
 
 
 def _taking_generator(func):
@@ -232,7 +185,7 @@ class Replayer:
                 # a storage rebuilt twice in one rebuild: it thrashes (R4)
                 self.thrashing = key in self.rebuilding
                 self.rebuilding.add(key)
-            with _outside_vmap():
+            with outside_vmap():
                 storage = yield from self._replay_recipe(rec, version)
         finally:
             if memo is None:
@@ -290,6 +243,8 @@ class Replayer:
         kwargs = {}
         for k, v in node.kwargs.items():
             kwargs[k] = yield from resolve(v, self_storage)
+        if node.func in NON_BLOCKING_COPIES:
+            args, kwargs = blocking(node.func, args, kwargs)
         # as recorded: below the dispatch mode, after autocast (the recorded
         # op is the cast one), and in grad mode (some ops return other
         # outputs without it: mkldnn_rnn_layer's workspace); no argument
@@ -297,7 +252,7 @@ class Replayer:
         # the backend switches of the call (R4)
         with torch.enable_grad(), torch._C._DisableTorchDispatch(), \
                 torch._C._DisableAutocast(), \
-                _default_dtype(node.default_dtype), \
+                recorded_default_dtype(node.default_dtype), \
                 switched_to(node.switches):
             if node.rng is None:
                 out = self._run(node.func, args, kwargs)

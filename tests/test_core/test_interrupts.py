@@ -216,7 +216,7 @@ def test_an_interrupt_as_a_context_is_entered_still_exits():
     # go, the vmap level lowered, while the traceback lived (as a REPL's
     # last one does; found by a review)
     from mmdtr.core.engine_lock import released
-    from mmdtr.core.replay import _default_dtype, _outside_vmap
+    from mmdtr.core.replay_settings import outside_vmap, recorded_default_dtype
     lock = threading.RLock()
     with lock:
         _interrupt_as_entered('released')
@@ -226,16 +226,16 @@ def test_an_interrupt_as_a_context_is_entered_still_exits():
         assert lock._is_owned(), caught
     torch._C._vmapmode_increment_nesting()  # as is_grads_batched does
     try:
-        _interrupt_as_entered('_outside_vmap')
+        _interrupt_as_entered('outside_vmap')
         with pytest.raises(KeyboardInterrupt) as caught:
-            with _outside_vmap():
+            with outside_vmap():
                 pass
         assert _legacy_vmap_level() == 1, caught
     finally:
         torch._C._vmapmode_decrement_nesting()
-    _interrupt_as_entered('_default_dtype')
+    _interrupt_as_entered('recorded_default_dtype')
     with pytest.raises(KeyboardInterrupt) as caught:
-        with _default_dtype(torch.float64):
+        with recorded_default_dtype(torch.float64):
             pass
     assert torch.get_default_dtype() is torch.float32, caught
 

@@ -410,3 +410,33 @@ def test_a_random_op_given_a_device_captures_that_devices_generator(
     assert asked == [torch.device('cuda', 1)] * 2
     gen, _ = Replayer._capture_rng((t, ), {})
     assert gen is None  # the CPU's default generator
+
+
+def test_copies_are_replayed_blocking(monkeypatch):
+    # a device-to-host copy replayed with non_blocking=True may not have
+    # landed when the rebuilt tensor is read (found by a review of the
+    # CUDA paths); on CPU the flag changes nothing but what is asked
+    from mmdtr.core.engine import EngineState
+    asked, run = [], EngineState._run
+
+    def spy(self, func, args, kwargs, rng=None, unlocked=False):
+        if func is torch.ops.aten._to_copy.default and not unlocked:
+            asked.append(kwargs.get('non_blocking'))  # a replay
+        return run(self, func, args, kwargs, rng, unlocked)
+
+    def step(x):
+        h = x
+        for _ in range(3):
+            h = h.to(torch.float64, non_blocking=True).tanh()
+            h = h.to(torch.float32, non_blocking=True)
+        h.sum().backward()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    expected = x.detach().clone().requires_grad_()
+    step(expected)
+    monkeypatch.setattr(EngineState, '_run', spy)
+    with DTR(eviction_threshold=1, evictee_minimum_size=0) as engine:
+        step(x)
+    assert engine.stats.recomputations > 0 and asked
+    assert not any(asked)
+    assert torch.equal(x.grad, expected.grad)
