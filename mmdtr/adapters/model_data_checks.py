@@ -10,14 +10,13 @@ iteration (``IndexError: Target 112 is out of bounds``), and
 """
 import difflib
 import inspect
-import math
 import numbers
 
 import numpy as np
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import DATASETS, MODELS
-from mmdtr.utils.value_kinds import is_real
+from mmdtr.utils.value_kinds import is_finite_real
 from .config_translation import MEMORY_KEY_TRANSLATORS, config_check
 from .near_miss_keys import SETTING_SECTIONS, nested_key_error
 from .registered_types import of_another_scope, refuse_unregistered
@@ -258,7 +257,7 @@ def check_wrapper_switches(cfg, custom_hooks: list) -> None:
         switches += [(f'model_wrapper_cfg.{key}', wrapper[key])
                      for key in WRAPPER_BOOLS if key in wrapper]
         cap = wrapper.get('bucket_cap_mb', None)
-        if cap is not None and not (is_real(cap) and math.isfinite(cap)):
+        if cap is not None and not is_finite_real(cap):
             raise MmdtrError(
                 f'model_wrapper_cfg.bucket_cap_mb={cap!r} is not accepted: '
                 'a number of MiB.',

@@ -51,6 +51,13 @@ def _cfg(name, **options):
             'model_wrapper_cfg':
             dict(type='MMDistributedDataParallel', bucket_cap_mb='25')
         }, r"model_wrapper_cfg.bucket_cap_mb='25' is not accepted"),
+        (
+            'resnet50_synthetic.py',
+            {  # an int beyond any float: OverflowError
+                'model_wrapper_cfg':
+                dict(type='MMDistributedDataParallel', bucket_cap_mb=10**400)
+            },
+            r'model_wrapper_cfg.bucket_cap_mb=10+ is not accepted'),
         ('resnet50_synthetic.py', {
             'train_dataloader.dataset.type': 'Nope'
         }, r"train_dataloader.dataset.type='Nope' is not registered"),
