@@ -274,7 +274,10 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
             'out of place.')
     kept = written_kept_output(forward_contexts)
     if kept is not None:
-        raise _kept_output_written(owner, kept, 'later in its forward')
+        raise _kept_output_written(
+            owner, kept, 'later in its forward, where a copy made before '
+            'the write would not be exact (another kept output over its '
+            'storage, or a dispatch mode in between)')
     for kept_outputs in forward_contexts:
         kept_outputs.watch_outputs(out)
     # parameters as the forward left them (Embedding(max_norm=...) writes

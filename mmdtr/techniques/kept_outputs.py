@@ -6,13 +6,17 @@ in backward one written since. Writes through an alias with a version
 counter of its own (``_unsafe_view``, ``unsafe_chunk``) leave that version
 unmoved: :class:`KeptOutputs` sees them, in the forward and after it, and
 :func:`written_kept_output` names the op whose kept output was written.
+A write in the forward to a kept output it can copy first is let through:
+the store gets the copy (:meth:`KeptOutputs.saw_write`).
 """
 import weakref
 from contextlib import contextmanager
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode,
+                                          _get_current_dispatch_mode,
+                                          _pop_mode_temporarily)
 from torch.utils._pytree import tree_leaves
 
 from mmdtr.core.arguments import tensors_in
@@ -73,12 +77,44 @@ class KeptOutputs:
             yield
 
     def saw_write(self, written: list) -> None:
-        """An op of the forward writes ``written`` in place."""
+        """An op of the forward is about to write ``written`` in place.
+
+        A kept output it writes is copied first, and the store given the
+        copy, which the recompute reads: the output of a Conv-BN fused by
+        ``efficient_conv_bn_eval`` is a convolution's, and the
+        ``ReLU(inplace=True)`` after it was refused (found by an
+        adversarial search; the copy weighs what the BatchNorm's output
+        did unfused). Where it cannot be copied so (another kept output
+        over the same storage, a copy with other strides, another mode
+        between this one and SAC's), the op is noted as written.
+        """
         storages = {t.untyped_storage()._cdata for t in written}
-        for key, val, _ in self._kept():
-            if val.untyped_storage()._cdata in storages:
-                self.written_op = _op_name(key)
-                return
+        hit = [(key, kept) for key, kept in self._entries()
+               if kept.val.untyped_storage()._cdata in storages]
+        if hit and not self._copied_before_write(hit):
+            self.written_op = _op_name(hit[0][0])
+
+    def _copied_before_write(self, hit: list) -> bool:
+        """Give each entry of ``hit`` a copy of its value; False, with
+        nothing changed, where that could not be done exactly."""
+        over = [kept.val.untyped_storage()._cdata for _, kept in hit]
+        if len(set(over)) < len(over) or len(hit) < sum(
+                1 for _, kept in self._entries()
+                if kept.val.untyped_storage()._cdata in over):
+            return False  # kept outputs alias each other: they would not
+        # inside this mode's __torch_dispatch__, SAC's is next: the copy
+        # runs below it (not an op of the forward), metered by any mode
+        # below (DTR's)
+        if _get_current_dispatch_mode() is not self.sac_forward:
+            return False
+        with _pop_mode_temporarily():
+            copies = [kept.val.clone() for _, kept in hit]
+        if any(c.stride() != kept.val.stride()
+               for c, (_, kept) in zip(copies, hit)):
+            return False
+        for copy, (_, kept) in zip(copies, hit):
+            kept.val, kept.version = copy, copy._version
+        return True
 
     def saw_outputs(self, out) -> None:
         """An op of the forward returned ``out``: remember its tensors
@@ -114,10 +150,11 @@ class KeptOutputs:
         check (SAC lets the kept outputs go as the recompute takes them)."""
         self.outputs = []
 
-    def _kept(self):
-        """``(op, tensor, version)`` of each output in SAC's store; none
-        where the store has another shape (another torch): backward then
-        raises PyTorch's own error."""
+    def _entries(self):
+        """``(op, entry)`` of each tensor output in SAC's store, an entry
+        holding ``val`` and its ``version``; none where the store has
+        another shape (another torch): backward then raises PyTorch's own
+        error."""
         store = getattr(self.sac_forward, 'storage', None)
         if not isinstance(store, dict):
             return
@@ -128,7 +165,12 @@ class KeptOutputs:
                 val = getattr(kept, 'val', None)
                 version = getattr(kept, 'version', None)
                 if isinstance(val, torch.Tensor) and version is not None:
-                    yield key, val, version
+                    yield key, kept
+
+    def _kept(self):
+        """``(op, tensor, version)`` of each output in SAC's store."""
+        for key, kept in self._entries():
+            yield key, kept.val, kept.version
 
     def written(self) -> Optional[str]:
         """The op whose kept output was written in place since it was

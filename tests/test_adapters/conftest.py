@@ -244,12 +244,13 @@ def linear_toy_model():
 class ConvStage(nn.Module):
     """Conv-BN-ReLU blocks; the forward takes a keyword-only argument."""
 
-    def __init__(self, width=8, depth=2):
+    def __init__(self, width=8, depth=2, inplace_relu=False):
         super().__init__()
         self.blocks = nn.Sequential(*[
             nn.Sequential(
                 nn.Conv2d(width, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU()) for _ in range(depth)
+                nn.BatchNorm2d(width), nn.ReLU(inplace_relu))
+            for _ in range(depth)
         ])
 
     def forward(self, x, *, scale=None):
@@ -266,16 +267,22 @@ class ConvToyNet(BaseModel):
         scales (tuple): The ``scale`` passed to layer1 and layer2.
         running_var (float, optional): Fills the BatchNorms' running
             variances ("pretrained" statistics).
+        inplace_relu (bool): ``ReLU(inplace=True)`` in the stages, as
+            ResNets have.
     """
 
-    def __init__(self, norm_eval=False, scales=(None, None), running_var=None):
+    def __init__(self,
+                 norm_eval=False,
+                 scales=(None, None),
+                 running_var=None,
+                 inplace_relu=False):
         super().__init__()
         self.norm_eval, self.scales = norm_eval, tuple(scales)
         self.backbone = nn.Module()
         self.backbone.stem = nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.backbone.layer1 = ConvStage()
-        self.backbone.layer2 = ConvStage()
+        self.backbone.layer1 = ConvStage(inplace_relu=inplace_relu)
+        self.backbone.layer2 = ConvStage(inplace_relu=inplace_relu)
         self.head = nn.Linear(8, 2)
         if running_var is not None:
             for m in self.modules():

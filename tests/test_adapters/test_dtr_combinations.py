@@ -47,12 +47,17 @@ COMBO_DATA = dict(type='SeededToyImages', length=16, size=16)
 
 @pytest.fixture(scope='module')
 def combo_cfg(toy_runner_cfg):
-    """``combo_cfg(work_dir, norm_eval=False, accumulate=1, **keys)``."""
+    """``combo_cfg(work_dir, norm_eval=False, accumulate=1,
+    inplace_relu=False, **keys)``."""
 
-    def make(work_dir, norm_eval=False, accumulate=1, **keys):
+    def make(work_dir,
+             norm_eval=False,
+             accumulate=1,
+             inplace_relu=False,
+             **keys):
         cfg = toy_runner_cfg(
             work_dir,
-            dict(COMBO_MODEL, norm_eval=norm_eval),
+            dict(COMBO_MODEL, norm_eval=norm_eval, inplace_relu=inplace_relu),
             COMBO_DATA,
             'dtr_combo',
             max_iters=4,
@@ -145,14 +150,21 @@ def test_checkpoint_hooks_take_precedence_inside(tmp_path, combo_cfg):
     assert seen['inside'] == {'torch.utils.checkpoint'}
 
 
-def test_dtr_with_efficient_conv_bn_eval(tmp_path, train_combo):
+@pytest.mark.parametrize('checkpointing', [
+    'backbone.layer2',
+    pytest.param(
+        dict(modules='backbone.layer2', policy='save_compute_heavy'),
+        marks=pytest.mark.needs_selective_checkpointing)
+])
+def test_dtr_with_efficient_conv_bn_eval(tmp_path, train_combo, checkpointing):
     fused, _ = train_combo(
         tmp_path / 'fused', norm_eval=True, efficient_conv_bn_eval='backbone')
     both, _ = train_combo(
         tmp_path / 'dtr',
         norm_eval=True,
+        inplace_relu=True,  # the same values as ReLU()'s
         efficient_conv_bn_eval='backbone',
-        activation_checkpointing='backbone.layer2',
+        activation_checkpointing=checkpointing,
         dtr=COMBO_DTR)
     assert_same_state(fused.model, both.model)
     stats = dtr_history(both)
