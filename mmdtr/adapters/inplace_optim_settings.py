@@ -2,8 +2,10 @@
 
 Each public function checks one setting of the ``optim_wrapper`` config and
 raises :class:`~mmdtr.errors.MmdtrError` (naming the key, the value and what
-is accepted, with a hint) if it is not accepted; ``clip_grad_settings`` and
-``amp_settings`` also return the form the wrapper applies. Nothing here
+is accepted, with a hint) if it is not accepted: the key is ``prefix``
+(``'optim_wrapper'`` by default; ``'optim_wrapper.generator'`` for one of a
+dict of wrappers). ``clip_grad_settings`` and ``amp_settings`` also return
+the form the wrapper applies. Nothing here
 changes the optimizer or the model, so the wrapper checks all of its settings
 before it applies any.
 """
@@ -119,25 +121,29 @@ def check_keys(names: Iterable,
         (f'; {example}.' if example else '.'))
 
 
-def check_step_in_backward(step_in_backward) -> None:
+def check_step_in_backward(step_in_backward, prefix: str = KEY) -> None:
     """Refuse a ``step_in_backward`` that is not a bool.
 
     Args:
         step_in_backward: The value given.
+        prefix (str): The wrapper's config key, for messages.
 
     Raises:
         MmdtrError: If it is not True or False.
     """
-    _check_bool(step_in_backward, f'{KEY}.step_in_backward')
+    _check_bool(step_in_backward, f'{prefix}.step_in_backward')
 
 
-def check_accumulative_counts(counts, step_in_backward: bool) -> None:
+def check_accumulative_counts(counts,
+                              step_in_backward: bool,
+                              prefix: str = KEY) -> None:
     """Refuse accumulation counts other than a positive int.
 
     Args:
         counts: ``accumulative_counts`` as given.
         step_in_backward (bool): Whether parameters step in the backward,
             which needs ``accumulative_counts=1``.
+        prefix (str): The wrapper's config key, for messages.
 
     Raises:
         MmdtrError: If ``counts`` is not a positive int (bools refused), or
@@ -145,19 +151,21 @@ def check_accumulative_counts(counts, step_in_backward: bool) -> None:
     """
     if not is_integer(counts) or counts < 1:
         raise MmdtrError(
-            f'{KEY}.accumulative_counts={counts!r} is not accepted; expected '
-            'a positive integer (1: no accumulation).',
+            f'{prefix}.accumulative_counts={counts!r} is not accepted; '
+            'expected a positive integer (1: no accumulation).',
             hint='e.g. accumulative_counts=4 to step every 4 iterations.')
     if step_in_backward and counts != 1:
         raise MmdtrError(
-            f'{KEY}.step_in_backward=True cannot be combined with '
+            f'{prefix}.step_in_backward=True cannot be combined with '
             f'accumulative_counts={counts!r}: accumulation needs the '
             'gradients of several iterations before any step; accepted: '
             'accumulative_counts=1.',
             hint='use step_in_backward=False to accumulate gradients.')
 
 
-def clip_grad_settings(clip_grad, step_in_backward: bool
+def clip_grad_settings(clip_grad,
+                       step_in_backward: bool,
+                       prefix: str = KEY
                        ) -> Tuple[Optional[dict], Optional[float]]:
     """Check ``clip_grad`` as MMEngine's ``OptimWrapper`` uses it.
 
@@ -172,6 +180,7 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
         clip_grad (dict, optional): The ``clip_grad`` setting.
         step_in_backward (bool): Whether parameters step in the backward,
             where only clipping by value is possible.
+        prefix (str): The wrapper's config key, for messages.
 
     Returns:
         tuple: A copy of ``clip_grad`` for ``OptimWrapper`` (None for no
@@ -181,7 +190,7 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
     Raises:
         MmdtrError: If ``clip_grad`` is not accepted.
     """
-    key = f'{KEY}.clip_grad'
+    key = f'{prefix}.clip_grad'
     if clip_grad is None:
         return None, None
     if not isinstance(clip_grad, dict) or not clip_grad:
@@ -224,7 +233,7 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
         return settings, None
     if clip_type != 'value':
         raise MmdtrError(
-            f'{KEY}.step_in_backward=True cannot be combined with '
+            f'{prefix}.step_in_backward=True cannot be combined with '
             f'clip_grad={settings!r}: clipping by the global norm needs '
             "every gradient at once; accepted: None or dict(type='value', "
             'clip_value=...).',
@@ -234,8 +243,8 @@ def clip_grad_settings(clip_grad, step_in_backward: bool
     return settings, float(settings['clip_value'])
 
 
-def _scaler_kwargs(loss_scale: dict) -> dict:
-    key = f'{KEY}.amp.loss_scale'
+def _scaler_kwargs(loss_scale: dict, prefix: str) -> dict:
+    key = f'{prefix}.amp.loss_scale'
     names = [
         n for n in _arguments(torch.amp.GradScaler.__init__, skip=1)
         if n != 'device'  # the parameters' device
@@ -269,7 +278,9 @@ def _scaler_kwargs(loss_scale: dict) -> dict:
     return dict(loss_scale)
 
 
-def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
+def amp_settings(amp,
+                 step_in_backward: bool,
+                 prefix: str = KEY) -> Optional[AmpSettings]:
     """Check the ``amp`` setting.
 
     Args:
@@ -277,6 +288,7 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
             for no AMP.
         step_in_backward (bool): Whether parameters step in the backward,
             which needs ``loss_scale=None``.
+        prefix (str): The wrapper's config key, for messages.
 
     Returns:
         AmpSettings | None: The settings, or None without AMP.
@@ -284,7 +296,7 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
     Raises:
         MmdtrError: If ``amp`` is not accepted.
     """
-    key = f'{KEY}.amp'
+    key = f'{prefix}.amp'
     if amp is None:
         return None
     if not isinstance(amp, dict):
@@ -313,7 +325,7 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
         static_scale = float(loss_scale)
         kwargs = dict(init_scale=static_scale)
     elif isinstance(loss_scale, dict):
-        kwargs = _scaler_kwargs(loss_scale)
+        kwargs = _scaler_kwargs(loss_scale, prefix)
     else:
         raise MmdtrError(
             f'{key}.loss_scale={loss_scale!r} is not accepted; accepted: '
@@ -322,7 +334,7 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
             hint=f'{_SCALE_EXAMPLE}.')
     if step_in_backward:
         raise MmdtrError(
-            f'{KEY}.step_in_backward=True cannot be combined with '
+            f'{prefix}.step_in_backward=True cannot be combined with '
             f'amp.loss_scale={loss_scale!r}: a grad scaler must find inf/NaN '
             'in every gradient before any parameter steps; accepted: '
             'loss_scale=None.',
@@ -331,7 +343,9 @@ def amp_settings(amp, step_in_backward: bool) -> Optional[AmpSettings]:
     return AmpSettings(cast_dtype, kwargs, static_scale)
 
 
-def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
+def check_wrapper_config(wrapper: dict,
+                         distributed: bool,
+                         prefix: str = KEY) -> None:
     """Check an ``InplaceOptimWrapper`` config before anything is built.
 
     The same checks as the wrapper's constructor, which MMEngine runs only
@@ -344,6 +358,7 @@ def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
         distributed (bool): Whether the run has a launcher: each parameter
             stepping during backward would step before its gradient is
             reduced across ranks.
+        prefix (str): The wrapper's config key, for messages.
 
     Raises:
         MmdtrError: If a setting is not accepted.
@@ -354,14 +369,14 @@ def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
         ...                           step_in_backward=True), False)
     """
     settings = {k: v for k, v in wrapper.items() if k not in BUILDER_KEYS}
-    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, KEY,
+    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, prefix,
                'an InplaceOptimWrapper argument', settings)
     step_in_backward = settings.get('step_in_backward', False)
-    check_step_in_backward(step_in_backward)
+    check_step_in_backward(step_in_backward, prefix)
     check_accumulative_counts(
-        settings.get('accumulative_counts', 1), step_in_backward)
-    clip_grad_settings(settings.get('clip_grad'), step_in_backward)
-    amp_settings(settings.get('amp'), step_in_backward)
+        settings.get('accumulative_counts', 1), step_in_backward, prefix)
+    clip_grad_settings(settings.get('clip_grad'), step_in_backward, prefix)
+    amp_settings(settings.get('amp'), step_in_backward, prefix)
     optimizer = wrapper.get('optimizer', None)
     if not isinstance(optimizer, dict):
         optimizer = {}
@@ -380,7 +395,7 @@ def check_wrapper_config(wrapper: dict, distributed: bool) -> None:
         raise not_per_parameter_refused(name)
     if step_in_backward and distributed:
         raise MmdtrError(
-            f'{KEY}.step_in_backward=True cannot train with a launcher '
+            f'{prefix}.step_in_backward=True cannot train with a launcher '
             '(distributed): each parameter would step with its local '
             'gradient before it is reduced across ranks; accepted: '
             "launcher='none'.",

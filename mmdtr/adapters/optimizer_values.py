@@ -15,7 +15,9 @@ from mmdtr.errors import MmdtrError
 DEVICE_SWITCHES = ('fused', 'capturable', 'foreach', 'differentiable')
 
 
-def check_optimizer_values(optimizer: dict, cls) -> None:
+def check_optimizer_values(optimizer: dict,
+                           cls,
+                           key: str = 'optim_wrapper.optimizer') -> None:
     """Build ``cls``, a ``torch.optim`` optimizer, over one 1x1 parameter
     with the config's values, and refuse a value it refuses (``TypeError``
     or ``ValueError``), naming the keys whose removal lets it build. Other
@@ -28,6 +30,8 @@ def check_optimizer_values(optimizer: dict, cls) -> None:
     Args:
         optimizer (dict): ``optim_wrapper.optimizer`` (its keys checked).
         cls (type): The optimizer class it builds.
+        key (str): Its config key, for messages. Defaults to
+            ``'optim_wrapper.optimizer'``.
 
     Raises:
         MmdtrError: If the optimizer refuses a value.
@@ -49,8 +53,7 @@ def check_optimizer_values(optimizer: dict, cls) -> None:
             for j, v in values.items() if j != k
         }) is None
     ] or list(values)
-    shown = ', '.join(f'optim_wrapper.optimizer.{k}={values[k]!r}'
-                      for k in culprits)
+    shown = ', '.join(f'{key}.{k}={values[k]!r}' for k in culprits)
     raise MmdtrError(
         f'{shown}: not accepted by torch.optim.{cls.__name__}, which '
         f'raised {type(error).__name__}: {error}',

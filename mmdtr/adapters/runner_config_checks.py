@@ -67,23 +67,26 @@ def check_amp_available(optim_wrapper: Optional[dict]) -> None:
     """
     if is_cuda_available() or is_npu_available() or is_mlu_available():
         return
-    for wrapper in _wrapper_cfgs(optim_wrapper):
+    for key, wrapper in _wrapper_cfgs(optim_wrapper):
         if _is_amp(wrapper.get('type')):
             raise MmdtrError(
-                f"optim_wrapper.type={wrapper.get('type')!r} (AMP, e.g. from "
+                f"{key}.type={wrapper.get('type')!r} (AMP, e.g. from "
                 '--amp) needs a CUDA, NPU or MLU device, but none is '
                 "available; MMEngine's AmpOptimWrapper cannot run on CPU.",
                 hint="drop --amp, or use optim_wrapper.type='OptimWrapper'.")
 
 
 def _wrapper_cfgs(optim_wrapper) -> list:
-    """The optimizer-wrapper configs of ``optim_wrapper`` (one, or a dict of
-    them, one per optimizer)."""
+    """``(key, config)`` of each optimizer-wrapper config of
+    ``optim_wrapper`` (one, or a dict of them, one per optimizer:
+    ``optim_wrapper.generator``, for messages; found by an adversarial
+    search, which read ``optim_wrapper.accumulative_counts``)."""
     if not isinstance(optim_wrapper, dict):
         return []
     if 'type' not in optim_wrapper and 'optimizer' not in optim_wrapper:
-        return [w for w in optim_wrapper.values() if isinstance(w, dict)]
-    return [optim_wrapper]
+        return [(f'optim_wrapper.{name}', w)
+                for name, w in optim_wrapper.items() if isinstance(w, dict)]
+    return [('optim_wrapper', optim_wrapper)]
 
 
 def _is_inplace(wrapper_type) -> bool:
@@ -203,34 +206,34 @@ def check_optim_wrappers(cfg, custom_hooks: list) -> None:
         'set its keys: optim_wrapper.type=InplaceOptimWrapper.')
     # a custom constructor may read keys of its own, in its own way
     default = _default_constructor(optim_wrapper or {})
-    for wrapper in _wrapper_cfgs(optim_wrapper):
-        check_scoped_type('optim_wrapper', wrapper, OPTIM_WRAPPERS,
-                          default_scope)
+    for key, wrapper in _wrapper_cfgs(optim_wrapper):
+        check_scoped_type(key, wrapper, OPTIM_WRAPPERS, default_scope)
         built_by_default = default and _default_constructor(wrapper)
         if built_by_default:
-            _check_optimizer_key(wrapper, default_scope)
+            _check_optimizer_key(wrapper, default_scope, key)
         if _is_inplace(wrapper.get('type')):
-            check_wrapper_config(wrapper, distributed)
+            check_wrapper_config(wrapper, distributed, key)
             continue
         if built_by_default and ('type' in wrapper or 'optimizer' in wrapper):
-            _check_wrapper_keys(wrapper, default_scope)
+            _check_wrapper_keys(wrapper, default_scope, key)
         if 'accumulative_counts' in wrapper:
-            check_accumulative_counts(wrapper['accumulative_counts'], False)
+            check_accumulative_counts(wrapper['accumulative_counts'], False,
+                                      key)
         if amp_convertible(wrapper.get('type', 'OptimWrapper')):
             # MMEngine's own: an assertion or a ValueError in train()
-            clip_grad_settings(wrapper.get('clip_grad', None), False)
+            clip_grad_settings(wrapper.get('clip_grad', None), False, key)
     if default and optim_wrapper:  # after its wrappers' own keys
         refuse_missing_optimizer(optim_wrapper)
 
 
-def _check_optimizer_key(wrapper: dict, default_scope) -> None:
+def _check_optimizer_key(wrapper: dict, default_scope, key: str) -> None:
     """The default constructor builds ``optimizer`` from a dict (anything
     else failed in ``runner.train()`` with an AttributeError) with a
     registered type."""
     optimizer = wrapper.get('optimizer', None)
     if 'optimizer' in wrapper and not isinstance(optimizer, dict):
         raise MmdtrError(
-            f'optim_wrapper.optimizer={optimizer!r} is not accepted: '
+            f'{key}.optimizer={optimizer!r} is not accepted: '
             "MMEngine's default constructor builds it from a dict with a "
             'type.',
             hint="e.g. optimizer=dict(type='SGD', lr=0.01, momentum=0.9).")
@@ -242,7 +245,7 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
         # name: found by a review). The default constructor looks the name
         # up in the config's scope, whatever the optimizer's _scope_, then
         # builds it in its _scope_: both must find it (a review)
-        where = 'optim_wrapper.optimizer.type'
+        where = f'{key}.optimizer.type'
         if inspect.isclass(optimizer_type):
             cls = optimizer_type
         else:
@@ -253,10 +256,10 @@ def _check_optimizer_key(wrapper: dict, default_scope) -> None:
                 cls = refuse_unregistered(where, optimizer_type, OPTIMIZERS,
                                           scope)
         if cls is not None:
-            _check_optimizer_arguments(optimizer, cls)
+            _check_optimizer_arguments(optimizer, cls, f'{key}.optimizer')
 
 
-def _check_optimizer_arguments(optimizer: dict, cls) -> None:
+def _check_optimizer_arguments(optimizer: dict, cls, key: str) -> None:
     """Refuse a key ``cls`` does not take (``accumulative_counts`` one level
     too deep: a raw TypeError of the optimizer's ``__init__`` in
     ``runner.train()``; found by a review). An ``__init__`` with
@@ -271,16 +274,16 @@ def _check_optimizer_arguments(optimizer: dict, cls) -> None:
     check_keys(
         optimizer,
         accepted + ['_scope_', 'type'],
-        'optim_wrapper.optimizer',
+        key,
         f'an argument of {cls.__name__}',
         values=optimizer,
         example='accumulative_counts and clip_grad belong to optim_wrapper '
         'itself' if {'accumulative_counts', 'clip_grad'}
         & set(optimizer) else '')
-    check_optimizer_values(optimizer, cls)
+    check_optimizer_values(optimizer, cls, key)
 
 
-def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
+def _check_wrapper_keys(wrapper: dict, default_scope, key: str) -> None:
     """Refuse a wrapper type of mmdtr's or MMEngine's scope that is not
     registered while close to one that is (``InplaceOptimWrapperr``), and
     keys the wrapper does not take (``accumulative_count``): MMEngine's
@@ -302,7 +305,7 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
         if close:
             ours = mmdtr_only(OPTIM_WRAPPERS, close[0])
             raise MmdtrError(
-                f'optim_wrapper type={wrapper_type!r} is not registered.',
+                f'{key} type={wrapper_type!r} is not registered.',
                 hint=f'closest match: '
                 f"{'mmdtr.' + close[0] if ours else close[0]!r}; "
                 f'registered: {known}.')
@@ -310,7 +313,7 @@ def _check_wrapper_keys(wrapper: dict, default_scope) -> None:
     check_keys(
         wrapper,
         sorted({*BUILDER_KEYS, *_init_parameters(cls)} - {'self'}),
-        'optim_wrapper',
+        key,
         f'an argument of {cls.__name__} or a key of its builder',
         values=wrapper)
 

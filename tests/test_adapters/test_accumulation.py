@@ -167,10 +167,33 @@ SGD = dict(type='SGD', lr=0.1)
          "type='InplaceOptimWrapperr' is not registered.*closest match: "
          "'mmdtr.InplaceOptimWrapper'"),
         ('InplaceOptimWrapper', 'MMEngine takes a dict'),
+        # one of a dict of wrappers is named by its key (found by an
+        # adversarial search: optim_wrapper.accumulative_counts, a key the
+        # config does not have)
         (dict(
             generator=dict(optimizer=SGD),
             discriminator=dict(optimizer=SGD, accumulative_count=2)),
-         r'optim_wrapper.accumulative_count=2 is not accepted'),
+         r'optim_wrapper\.discriminator\.accumulative_count=2 is not '
+         'accepted'),
+        (dict(
+            constructor='MultiOptimWrapperConstructor',
+            generator=dict(optimizer=SGD, accumulative_counts=0),
+            discriminator=dict(optimizer=SGD)),
+         r'optim_wrapper\.generator\.accumulative_counts=0 is not'),
+        (dict(
+            constructor='MultiOptimWrapperConstructor',
+            generator=dict(optimizer=SGD, clip_grad=dict(max_norm=-1)),
+            discriminator=dict(optimizer=SGD)),
+         r'optim_wrapper\.generator\.clip_grad\.max_norm=-1 is not'),
+        (dict(
+            constructor='MultiOptimWrapperConstructor',
+            generator=dict(optimizer=SGD),
+            discriminator=dict(
+                type='mmdtr.InplaceOptimWrapper',
+                optimizer=SGD,
+                step_in_backward=True,
+                accumulative_counts=2)),
+         r'optim_wrapper\.discriminator\.step_in_backward=True cannot'),
         (dict(optimizer=SGD,
               clip_grad=3), r'optim_wrapper.clip_grad=3 is not accepted'),
         (dict(optimizer=SGD, clip_grad=dict(type='foo', max_norm=1)),
@@ -188,6 +211,7 @@ SGD = dict(type='SGD', lr=0.1)
     ],
     ids=[
         'key_typo', 'amp_key_typo', 'type_typo', 'a_string', 'in_a_dict',
+        'counts_in_a_dict', 'clip_in_a_dict', 'inplace_in_a_dict',
         'clip_grad_not_a_dict', 'clip_grad_type', 'optimizer_a_list',
         'inplace_optimizer_a_list', 'type_none', 'type_empty', 'type_int'
     ])
