@@ -73,7 +73,7 @@ def check_amp_available(optim_wrapper: Optional[dict]) -> None:
                 f"{key}.type={wrapper.get('type')!r} (AMP, e.g. from "
                 '--amp) needs a CUDA, NPU or MLU device, but none is '
                 "available; MMEngine's AmpOptimWrapper cannot run on CPU.",
-                hint="drop --amp, or use optim_wrapper.type='OptimWrapper'.")
+                hint=f"drop --amp, or use {key}.type='OptimWrapper'.")
 
 
 def _wrapper_cfgs(optim_wrapper) -> list:

@@ -276,8 +276,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
     if kept is not None:
         raise _kept_output_written(
             owner, kept, 'later in its forward, where a copy made before '
-            'the write would not be exact (another kept output over its '
-            'storage, or a dispatch mode in between)')
+            'the write would not be exact (a kept view, another kept '
+            'output over its storage, or a dispatch mode in between)')
     for kept_outputs in forward_contexts:
         kept_outputs.watch_outputs(out)
     # parameters as the forward left them (Embedding(max_norm=...) writes

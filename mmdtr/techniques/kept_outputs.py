@@ -84,9 +84,10 @@ class KeptOutputs:
         ``efficient_conv_bn_eval`` is a convolution's, and the
         ``ReLU(inplace=True)`` after it was refused (found by an
         adversarial search; the copy weighs what the BatchNorm's output
-        did unfused). Where it cannot be copied so (another kept output
-        over the same storage, a copy with other strides, another mode
-        between this one and SAC's), the op is noted as written.
+        did unfused). Where it cannot be copied so (a kept view, another
+        kept output over the same storage, a copy with other strides,
+        another mode between this one and SAC's), the op is noted as
+        written.
         """
         storages = {t.untyped_storage()._cdata for t in written}
         hit = [(key, kept) for key, kept in self._entries()
@@ -97,6 +98,10 @@ class KeptOutputs:
     def _copied_before_write(self, hit: list) -> bool:
         """Give each entry of ``hit`` a copy of its value; False, with
         nothing changed, where that could not be done exactly."""
+        if not all(_returns_fresh_tensors(key) for key, _ in hit):
+            # a kept view (a policy keeping view ops) would no longer alias
+            # its base in the recompute (found by a review)
+            return False
         over = [kept.val.untyped_storage()._cdata for _, kept in hit]
         if len(set(over)) < len(over) or len(hit) < sum(
                 1 for _, kept in self._entries()
@@ -195,6 +200,22 @@ def _storage_id(t) -> Optional[int]:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
+
+
+#: Ops whose returns alias an input with no alias annotation.
+_UNANNOTATED_VIEWS = frozenset(('_unsafe_view', 'unsafe_chunk', 'unsafe_split',
+                                'unsafe_split_with_sizes'))
+
+
+def _returns_fresh_tensors(key) -> bool:
+    """Whether the op of a store key returns tensors over storages of their
+    own (no view of an input); False when unsure."""
+    op = key[0] if isinstance(key, tuple) else key
+    schema = getattr(op, '_schema', None)
+    if schema is None:
+        return False
+    return all(r.alias_info is None for r in schema.returns) and \
+        schema.name.split('::')[-1] not in _UNANNOTATED_VIEWS
 
 
 def _op_name(key) -> str:

@@ -134,16 +134,21 @@ def test_plain_dict_config(make_cfg, linear_toy_model, dummy_key, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
-@pytest.mark.parametrize('optim_wrapper', [
-    dict(type='AmpOptimWrapper', optimizer=dict(type='SGD', lr=0.1)),
-    dict(type='mmengine.AmpOptimWrapper', optimizer=dict(type='SGD')),
-    dict(
+@pytest.mark.parametrize('optim_wrapper, key', [
+    (dict(type='AmpOptimWrapper', optimizer=dict(type='SGD',
+                                                 lr=0.1)), 'optim_wrapper'),
+    (dict(type='mmengine.AmpOptimWrapper',
+          optimizer=dict(type='SGD')), 'optim_wrapper'),
+    (dict(
         gen=dict(type='AmpOptimWrapper', optimizer=dict(type='SGD')),
-        disc=dict(type='OptimWrapper', optimizer=dict(type='SGD'))),
+        disc=dict(type='OptimWrapper',
+                  optimizer=dict(type='SGD'))), 'optim_wrapper.gen'),
 ])
-def test_amp_on_cpu_raises(make_cfg, tmp_path, optim_wrapper):
-    with pytest.raises(MmdtrError, match='AmpOptimWrapper'):
+def test_amp_on_cpu_raises(make_cfg, tmp_path, optim_wrapper, key):
+    # the message and its hint name the wrapper's key (a review)
+    with pytest.raises(MmdtrError, match='AmpOptimWrapper') as info:
         check_amp_available(optim_wrapper)
+    assert str(info.value).count(f'{key}.type=') == 2
     cfg = make_cfg(tmp_path, optim_wrapper=optim_wrapper)
     with pytest.raises(MmdtrError, match='AmpOptimWrapper'):
         MMDTRRunner.from_cfg(cfg)
