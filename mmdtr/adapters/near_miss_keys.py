@@ -86,8 +86,13 @@ def _meant_key(key: str, names: Iterable[str], cfg) -> str:
             # variable named after it
         close = len(name) > 4 and difflib.SequenceMatcher(None, lowered,
                                                           name).ratio() >= 0.8
+        # a short name holding DTR's settings: dtrr, dt (too short for the
+        # ratio above; found by an adversarial search)
+        slip = name == 'dtr' and len(lowered) <= 5 and isinstance(
+            cfg[key], Mapping) and any(s in cfg[key] for s in _DTR_SETTINGS) \
+            and difflib.SequenceMatcher(None, lowered, name).ratio() >= 0.6
         if lowered == name or lowered.startswith(name + '_') or close \
-                or lowered in ALIASES.get(name, ()):
+                or lowered in ALIASES.get(name, ()) or slip:
             return name
     return ''
 

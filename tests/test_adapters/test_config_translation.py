@@ -71,6 +71,10 @@ WRAPPER = dict(
          'off'),
         (dict(DTR=dict(eviction_threshold='1GB')), "is it the 'dtr' key"),
         (dict(dtr_cfg=dict(eviction_threshold='1GB')), "is it the 'dtr' key"),
+        # too short to compare, but holding DTR's settings (found by an
+        # adversarial search: trained without DTR)
+        (dict(dtrr=dict(eviction_threshold='1GB')), "is it the 'dtr' key"),
+        (dict(dt=dict(recording_threshold=None)), "is it the 'dtr' key"),
         (dict(activation_checkpoint=['backbone']),
          "is it the 'activation_checkpointing' key"),
         (dict(efficient_conv_bn=['backbone']),
@@ -148,13 +152,14 @@ WRAPPER = dict(
     ids=[
         'hook_bad_value', 'hook_missing', 'hook_typo', 'two_hooks', 'compile',
         'key_and_wrapper', 'wrapper_alone', 'upper_case', 'suffix',
-        'checkpoint_typo', 'conv_bn_typo', 'alias_dtr', 'alias_checkpointing',
-        'top_level_threshold', 'top_level_accumulation', 'hooks_a_dict',
-        'hooks_a_string', 'hook_a_string', 'hook_without_type',
-        'hook_type_typo', 'hook_type_near_ours', 'hook_type_empty',
-        'hook_type_relative', 'hook_priority_name', 'hook_priority_range',
-        'hook_priority_bool', 'wrapper_bad_size', 'wrapper_sub_key_typo',
-        'wrapper_not_a_dict', 'wrapper_without_dtr', 'wrapper_without_type',
+        'short_typo', 'shortest_typo', 'checkpoint_typo', 'conv_bn_typo',
+        'alias_dtr', 'alias_checkpointing', 'top_level_threshold',
+        'top_level_accumulation', 'hooks_a_dict', 'hooks_a_string',
+        'hook_a_string', 'hook_without_type', 'hook_type_typo',
+        'hook_type_near_ours', 'hook_type_empty', 'hook_type_relative',
+        'hook_priority_name', 'hook_priority_range', 'hook_priority_bool',
+        'wrapper_bad_size', 'wrapper_sub_key_typo', 'wrapper_not_a_dict',
+        'wrapper_without_dtr', 'wrapper_without_type',
         'wrapper_without_settings', 'wrapper_typo'
     ])
 def test_combinations_that_cannot_work_fail_at_translation(
@@ -278,6 +283,11 @@ def test_near_miss_check_leaves_used_keys_alone(make_cfg, tmp_path):
     cfg = make_cfg(
         tmp_path, dtr_threshold='1GB', dtr=dict(eviction_threshold='1GB'))
     assert translate_memory_keys(cfg).custom_hooks[-1].type == 'mmdtr.DTRHook'
+
+
+def test_short_keys_without_dtrs_settings_are_left_alone(make_cfg, tmp_path):
+    # dt = dict(...) holding no DTR setting is another project's variable
+    translate_memory_keys(make_cfg(tmp_path, dt=dict(lr=0.1), dtrr=1))
 
 
 @pytest.mark.parametrize('key, feature', [
