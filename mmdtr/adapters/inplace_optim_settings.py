@@ -9,10 +9,8 @@ the form the wrapper applies. Nothing here
 changes the optimizer or the model, so the wrapper checks all of its settings
 before it applies any.
 """
-import difflib
-import inspect
 import math
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -21,6 +19,8 @@ from mmdtr.techniques.inplace_update import (NOT_PER_PARAMETER,
                                              foreach_refused,
                                              not_per_parameter_refused)
 from mmdtr.utils.value_kinds import is_integer, is_real
+from .setting_values import (argument_names, check_bool, check_keys,
+                             check_positive)
 
 KEY = 'optim_wrapper'
 #: The arguments of ``InplaceOptimWrapper``.
@@ -62,65 +62,6 @@ class AmpSettings(NamedTuple):
     static_scale: Optional[float]
 
 
-def _arguments(func, skip: int) -> list:
-    return list(inspect.signature(func).parameters)[skip:]
-
-
-def _check_positive(value, key: str, hint: str) -> None:
-    if not (is_real(value) and 0 < value < math.inf):  # nan: False
-        raise MmdtrError(
-            f'{key}={value!r} is not accepted; expected a positive finite '
-            'number.',
-            hint=hint)
-
-
-def _check_bool(value, key: str, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or allow_none and value is None):
-        accepted = f'{"None, " if allow_none else ""}True or False'
-        raise MmdtrError(
-            f'{key}={value!r} is not accepted; accepted: {accepted}.',
-            hint=f'write {key.rsplit(".", 1)[-1]}=True or False (a bool, '
-            'not a string or a number).')
-
-
-def check_keys(names: Iterable,
-               accepted: Iterable[str],
-               key: str,
-               what: str,
-               values: Optional[dict] = None,
-               example: str = '') -> None:
-    """Refuse names that are not in ``accepted``, with the closest matches.
-
-    Args:
-        names (Iterable): The names given.
-        accepted (Iterable[str]): The accepted names.
-        key (str): The config key the names are under, for messages.
-        what (str): What the accepted names are, for messages.
-        values (dict, optional): The values of the names, for messages.
-        example (str): An example of accepted settings, for the hint.
-
-    Raises:
-        MmdtrError: If a name is not accepted.
-    """
-    accepted = list(accepted)
-    unknown = sorted((n for n in names if n not in accepted), key=repr)
-    if not unknown:
-        return
-    given = ', '.join(f'{key}.{n}' + (f'={values[n]!r}' if values else '')
-                      for n in unknown)
-    close = {
-        n: difflib.get_close_matches(str(n), accepted, n=1)
-        for n in unknown
-    }
-    renames = [f'{n} to {c[0]}' for n, c in close.items() if c]
-    raise MmdtrError(
-        f'{given} {"is" if len(unknown) == 1 else "are"} not accepted: not '
-        f'{what}; accepted: {", ".join(accepted)}.',
-        hint=(f'rename {", ".join(renames)}'
-              if renames else f'remove {", ".join(map(str, unknown))}') +
-        (f'; {example}.' if example else '.'))
-
-
 def check_step_in_backward(step_in_backward, prefix: str = KEY) -> None:
     """Refuse a ``step_in_backward`` that is not a bool.
 
@@ -131,7 +72,7 @@ def check_step_in_backward(step_in_backward, prefix: str = KEY) -> None:
     Raises:
         MmdtrError: If it is not True or False.
     """
-    _check_bool(step_in_backward, f'{prefix}.step_in_backward')
+    check_bool(step_in_backward, f'{prefix}.step_in_backward')
 
 
 def check_accumulative_counts(counts,
@@ -207,7 +148,7 @@ def clip_grad_settings(clip_grad,
             "'norm' (the default) or 'value'.",
             hint=f'{_CLIP_EXAMPLE}.')
     func = CLIP_FUNCS[clip_type]
-    names = _arguments(func, skip=1)  # after `parameters`
+    names = argument_names(func, skip=1)  # after `parameters`
     check_keys((n for n in settings if n != 'type'), ['type'] + names, key,
                f'an argument of torch.nn.utils.{func.__name__}', settings,
                _CLIP_EXAMPLE)
@@ -217,8 +158,8 @@ def clip_grad_settings(clip_grad,
             f"{key}={settings!r} is not accepted: type '{clip_type}' needs "
             f'{limit}.',
             hint=f'{_CLIP_EXAMPLE}.')
-    _check_positive(settings[limit], f'{key}.{limit}',
-                    f'e.g. clip_grad={_CLIP_FORMS[clip_type]}.')
+    check_positive(settings[limit], f'{key}.{limit}',
+                   f'e.g. clip_grad={_CLIP_FORMS[clip_type]}.')
     norm_type = settings.get('norm_type', 2.0)
     if not (is_real(norm_type) and norm_type > 0 or norm_type == 'inf'):
         raise MmdtrError(
@@ -226,9 +167,8 @@ def clip_grad_settings(clip_grad,
             "positive number, float('inf') or 'inf'.",
             hint='e.g. norm_type=2.0 (the default) or norm_type=1.0.')
     if 'error_if_nonfinite' in settings:
-        _check_bool(settings['error_if_nonfinite'],
-                    f'{key}.error_if_nonfinite')
-    _check_bool(settings.get('foreach'), f'{key}.foreach', allow_none=True)
+        check_bool(settings['error_if_nonfinite'], f'{key}.error_if_nonfinite')
+    check_bool(settings.get('foreach'), f'{key}.foreach', allow_none=True)
     if not step_in_backward:
         return settings, None
     if clip_type != 'value':
@@ -246,7 +186,7 @@ def clip_grad_settings(clip_grad,
 def _scaler_kwargs(loss_scale: dict, prefix: str) -> dict:
     key = f'{prefix}.amp.loss_scale'
     names = [
-        n for n in _arguments(torch.amp.GradScaler.__init__, skip=1)
+        n for n in argument_names(torch.amp.GradScaler.__init__, skip=1)
         if n != 'device'  # the parameters' device
     ]
     check_keys(loss_scale, names, key, 'a torch.amp.GradScaler argument',
@@ -254,7 +194,7 @@ def _scaler_kwargs(loss_scale: dict, prefix: str) -> dict:
     hint = f'{_SCALE_EXAMPLE}.'
     for name, value in loss_scale.items():
         if name == 'init_scale':
-            _check_positive(value, f'{key}.{name}', hint)
+            check_positive(value, f'{key}.{name}', hint)
         elif name == 'growth_factor' and not (is_real(value)
                                               and 1 < value < math.inf):
             raise MmdtrError(
@@ -274,7 +214,7 @@ def _scaler_kwargs(loss_scale: dict, prefix: str) -> dict:
                 'positive integer.',
                 hint='e.g. growth_interval=2000 (the default).')
         elif name == 'enabled':
-            _check_bool(value, f'{key}.{name}')
+            check_bool(value, f'{key}.{name}')
     return dict(loss_scale)
 
 
@@ -321,7 +261,7 @@ def amp_settings(amp,
     if isinstance(loss_scale, str) and loss_scale == 'dynamic':
         kwargs = {}
     elif is_real(loss_scale):
-        _check_positive(loss_scale, f'{key}.loss_scale', f'{_SCALE_EXAMPLE}.')
+        check_positive(loss_scale, f'{key}.loss_scale', f'{_SCALE_EXAMPLE}.')
         static_scale = float(loss_scale)
         kwargs = dict(init_scale=static_scale)
     elif isinstance(loss_scale, dict):
@@ -341,6 +281,31 @@ def amp_settings(amp,
             hint="use amp=dict(dtype='bfloat16', loss_scale=None), or "
             'step_in_backward=False.')
     return AmpSettings(cast_dtype, kwargs, static_scale)
+
+
+def check_wrapper_keys(settings: dict, prefix: str = KEY) -> None:
+    """Refuse a key ``InplaceOptimWrapper`` does not take, with the closest
+    name; ``AmpOptimWrapper``'s ``dtype`` and ``loss_scale`` with where
+    they go (the closest name was ``type``; found by an adversarial
+    search).
+
+    Args:
+        settings (dict): The wrapper's keys and values.
+        prefix (str): The wrapper's config key, for messages.
+
+    Raises:
+        MmdtrError: If a key is not accepted.
+    """
+    amp_keys = [k for k in AMP_KEYS if k in settings]
+    if amp_keys:
+        raise MmdtrError(
+            ', '.join(f'{prefix}.{k}={settings[k]!r}' for k in amp_keys) +
+            (' are' if len(amp_keys) > 1 else ' is') + ' not accepted: '
+            "AmpOptimWrapper's; InplaceOptimWrapper takes them in "
+            'amp=dict(dtype=..., loss_scale=...).',
+            hint=f'move them into {prefix}.amp; {_AMP_EXAMPLE}.')
+    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, prefix,
+               'an InplaceOptimWrapper argument', settings)
 
 
 def check_wrapper_config(wrapper: dict,
@@ -369,8 +334,7 @@ def check_wrapper_config(wrapper: dict,
         ...                           step_in_backward=True), False)
     """
     settings = {k: v for k, v in wrapper.items() if k not in BUILDER_KEYS}
-    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, prefix,
-               'an InplaceOptimWrapper argument', settings)
+    check_wrapper_keys(settings, prefix)
     step_in_backward = settings.get('step_in_backward', False)
     check_step_in_backward(step_in_backward, prefix)
     check_accumulative_counts(

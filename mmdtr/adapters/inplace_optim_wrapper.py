@@ -11,11 +11,10 @@ from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch.optim import Optimizer
 
-from mmdtr.adapters.inplace_optim_settings import (BUILDER_KEYS, KEY,
-                                                   WRAPPER_KEYS, amp_settings,
+from mmdtr.adapters.inplace_optim_settings import (amp_settings,
                                                    check_accumulative_counts,
-                                                   check_keys,
                                                    check_step_in_backward,
+                                                   check_wrapper_keys,
                                                    clip_grad_settings)
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import OPTIM_WRAPPERS
@@ -120,8 +119,7 @@ class InplaceOptimWrapper(OptimWrapper):
                 hint="give optim_wrapper.optimizer as a config dict, e.g. "
                 "optimizer=dict(type='SGD', lr=0.1), or an Optimizer built "
                 'over the model\'s parameters.')
-        check_keys(unknown, WRAPPER_KEYS + BUILDER_KEYS, KEY,
-                   'an InplaceOptimWrapper argument', unknown)
+        check_wrapper_keys(unknown)
         check_step_in_backward(step_in_backward)
         check_accumulative_counts(accumulative_counts, step_in_backward)
         clip_grad, clip_value = clip_grad_settings(clip_grad, step_in_backward)

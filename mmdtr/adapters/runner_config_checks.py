@@ -19,11 +19,11 @@ from mmdtr.registry import MODELS, OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
 from .config_translation import config_check, refuse_unless_dict
 from .cpu_process_group import check_cpu_dist_cfg, dist_cfg_of
 from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
-                                     check_keys, check_wrapper_config,
-                                     clip_grad_settings)
+                                     check_wrapper_config, clip_grad_settings)
 from .optimizer_values import check_optimizer_values, refuse_missing_optimizer
 from .registered_types import (check_scoped_type, mmdtr_only, of_another_scope,
                                refuse_unregistered)
+from .setting_values import check_keys
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:

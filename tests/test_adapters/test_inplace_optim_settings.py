@@ -36,6 +36,10 @@ def _refusals():
         'amp_key': (dict(amp=dict(dtype='float16', scale=2.0)), sgd,
                     'amp.scale=2.0 is not accepted'),
         'amp_dtype': (dict(amp=dict(dtype='int8')), sgd, "amp.dtype='int8'"),
+        # AmpOptimWrapper's keys: the hint said "rename dtype to type"
+        # (found by an adversarial search)
+        'amp_keys_at_the_top': (dict(dtype='bfloat16', loss_scale='dynamic'),
+                                sgd, "move them into optim_wrapper.amp"),
         'amp_scale':
         (dict(amp=dict(loss_scale='static')), sgd, "amp.loss_scale='static'"),
         # a negative clip_value clamps every gradient to it
