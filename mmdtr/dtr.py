@@ -26,12 +26,15 @@ import types
 
 from mmdtr.errors import MmdtrError
 from .core.dtr_mode import DTR, DTRStats, engine_active
-from .core.policies import POLICIES, EvictionPolicy, register_policy
+from .core.policies import (POLICIES, DTRPolicy, EvictionPolicy,
+                            LargestFirstPolicy, LocalDTRPolicy, LRUPolicy,
+                            register_policy)
 from .core.sizes import parse_size
 
 __all__ = [
     'DTR', 'DTRStats', 'EvictionPolicy', 'POLICIES', 'register_policy',
-    'enable', 'disable', 'is_enabled', 'current_engine', 'engine_active',
+    'DTRPolicy', 'LocalDTRPolicy', 'LRUPolicy', 'LargestFirstPolicy', 'enable',
+    'disable', 'is_enabled', 'current_engine', 'engine_active',
     'eviction_threshold', 'evictee_minimum_size', 'enable_sqrt_sampling'
 ]
 

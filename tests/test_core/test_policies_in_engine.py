@@ -253,3 +253,13 @@ def test_an_instance_whose_score_cannot_be_called_so_is_refused():
     policy.score = lambda record: 0.0  # set on the instance
     with pytest.raises(MmdtrError, match='cannot be called as score'):
         DTR(eviction_threshold='1GB', policy=policy)
+
+
+def test_the_built_in_policies_are_importable_where_the_docs_import_them():
+    # dtr.md subclasses DTRPolicy next to `from mmdtr.dtr import ...`: an
+    # ImportError (found by a walk through the docs)
+    from mmdtr import dtr
+    for name in ('DTRPolicy', 'LocalDTRPolicy', 'LRUPolicy',
+                 'LargestFirstPolicy'):
+        assert getattr(dtr, name) is POLICIES[getattr(dtr, name).name]
+        assert name in dtr.__all__
