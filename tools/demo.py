@@ -127,9 +127,10 @@ def build_cfg(args):
     """Read and check the config before anything trains.
 
     Both runs' configs are translated here, and the module names the
-    hooks select checked on the model, so a bad memory key (e.g.
-    ``dtr.eviction_threshold=3XB``, ``activation_checkpointing=nothing``)
-    is refused before the baseline trains.
+    hooks select checked on the model, built as the runner builds it, so
+    a bad memory key (e.g. ``dtr.eviction_threshold=3XB``,
+    ``activation_checkpointing=nothing``) or model argument is refused
+    before the baseline trains.
 
     Args:
         args (argparse.Namespace): The parsed arguments.
@@ -172,7 +173,10 @@ def build_cfg(args):
             'the baseline with.',
             hint='turn one on, e.g. --cfg-options '
             'dtr.eviction_threshold=200MB.')
-    check_module_names(translate_memory_keys(cfg))
+    # the model built too: an argument it refuses (model.typo_arg=1) was a
+    # traceback of the baseline's build (found by a walk through the docs)
+    check_module_names(
+        translate_memory_keys(cfg), strict=True, build_model=True)
     translate_memory_keys(_without_features(cfg))
     return cfg, features
 

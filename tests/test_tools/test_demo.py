@@ -29,6 +29,8 @@ RESNET = osp.join(REPO, 'configs', 'resnet50_synthetic.py')
         ([RESNET], 'none of the memory keys'),
         (['--cfg-options', 'activation_checkpointing=bakbone'], "'bakbone'"),
         (['--cfg-options', 'efficient_conv_bn_eval=[bakbone]'], "'bakbone'"),
+        # 35 lines of the baseline's build (a walk through the docs)
+        (['--cfg-options', 'model.typo_arg=1'], "argument 'typo_arg'"),
     ])
 def test_bad_input_fails_before_training(demo, monkeypatch, capsys, argv,
                                          match):
