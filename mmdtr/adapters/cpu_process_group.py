@@ -172,14 +172,23 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
         dist_cfg (dict, optional): ``env_cfg.dist_cfg``.
 
     Raises:
-        MmdtrError: Naming the first variable missing or not an integer.
+        MmdtrError: Naming the first variable missing or not an integer,
+            or a rank outside the world size.
     """
     if launcher not in _LAUNCHER_ENV:
         return
     # the rank and the world size; a local rank has fallbacks (MMEngine's
     # slurm path computes one; found by a review)
-    for name in _LAUNCHER_ENV[launcher][:2]:
-        _env_int(name, launcher)
+    rank_name, size_name = _LAUNCHER_ENV[launcher][:2]
+    rank, size = _env_int(rank_name, launcher), _env_int(size_name, launcher)
+    if not 0 <= rank < size:  # the other ranks waited for it, silently,
+        # for the 30 minutes of torch's timeout (found by a walk through
+        # the docs)
+        raise MmdtrError(
+            f'launcher {launcher!r}: the environment variables {rank_name}='
+            f'{rank} and {size_name}={size} are not a rank of the world: '
+            f'accepted: 0 <= {rank_name} < {size_name}.',
+            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch']))
     if launcher == 'slurm':
         if 'MASTER_ADDR' not in os.environ:
             _env('SLURM_NODELIST', launcher)

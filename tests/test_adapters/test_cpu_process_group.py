@@ -91,6 +91,19 @@ def test_launcher_variables_are_checked_before_the_runner(
     train_tool.main([toy_config, '--launcher', launcher, '--check-config'])
 
 
+@pytest.mark.parametrize('rank, size', [('5', '2'), ('-1', '2'), ('0', '0')])
+def test_a_rank_outside_the_world_is_refused(single_rank_env, monkeypatch,
+                                             rank, size):
+    # RANK=5 WORLD_SIZE=2 waited silently for torch's 30-minute timeout
+    # (found by a walk through the docs)
+    monkeypatch.setenv('RANK', rank)
+    monkeypatch.setenv('WORLD_SIZE', size)
+    with pytest.raises(
+            MmdtrError,
+            match=f'RANK={rank} and WORLD_SIZE={size} are not a rank of'):
+        check_launcher_env('pytorch')
+
+
 def test_slurm_needs_no_local_rank(monkeypatch):
     # MMEngine's slurm path computes one when SLURM_LOCALID is unset (a
     # review of the check's first form)
