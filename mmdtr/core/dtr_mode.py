@@ -22,7 +22,7 @@ from .policies import build_policy
 from .records import _PLAIN
 from .saved_tensors import graph_task_id
 from .sizes import parse_size
-from .torch_compat import outer_saved_tensor_hooks
+from .torch_compat import hooks_on_top, outer_saved_tensor_hooks
 
 _DEVICE_TYPES = ('cpu', 'cuda')
 _ACTIVE = threading.local()  # .engine: the engine active on this thread
@@ -216,6 +216,15 @@ class DTR:
                 f'active ({type(stack[-1]).__name__ if stack else "none"}); '
                 'modes leave in the reverse order they entered.',
                 'Leave that mode first.')
+        hooks = self._hooks
+        if hooks.entered and hooks_on_top(hooks.hooks.pack_hook) is False:
+            # closing popped that context's hooks, not the engine's: the
+            # tensors it saved went to the closed engine's pack (found by
+            # an adversarial search; PyTorch 2.8 and later tell)
+            raise MmdtrError(
+                'a saved_tensors_hooks context entered after this DTR engine '
+                'is still active; contexts leave in the reverse order they '
+                'entered.', 'Leave that context first.')
         if getattr(_ACTIVE, 'engine', None) is self:
             _ACTIVE.engine = None
         state, mode, hooks = self._state, self._mode, self._hooks

@@ -42,6 +42,16 @@ def can_read_saved_tensor_hooks() -> bool:
     return _top_hooks is not None
 
 
+def hooks_on_top(pack_hook) -> Optional[bool]:
+    """Whether ``pack_hook`` is the pack hook of the saved-tensor hooks in
+    force on this thread; ``None`` where PyTorch does not tell (before
+    2.8)."""
+    if _top_hooks is None:
+        return None
+    top = _top_hooks(False)
+    return top is not None and top[0] is pack_hook
+
+
 def outer_saved_tensor_hooks() -> Optional[str]:
     """Whether a ``saved_tensors_hooks`` context is active on this thread.
 

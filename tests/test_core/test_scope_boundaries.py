@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode,
 
 from mmdtr import dtr
 from mmdtr.core import collector
-from mmdtr.core.torch_compat import outer_saved_tensor_hooks
+from mmdtr.core.torch_compat import (can_read_saved_tensor_hooks,
+                                     outer_saved_tensor_hooks)
 from mmdtr.dtr import DTR
 from mmdtr.errors import MmdtrError
 
@@ -127,6 +128,29 @@ def test_closing_under_a_mode_entered_after_it_is_refused():
     later.__exit__(None, None, None)
     engine.__exit__(None, None, None)
     assert not engine.active
+
+
+@pytest.mark.skipif(
+    not can_read_saved_tensor_hooks(),
+    reason='PyTorch before 2.8 does not tell which hooks are in force')
+def test_closing_under_saved_tensor_hooks_entered_after_it_is_refused():
+    # the close popped that context's hooks instead of the engine's, and
+    # the tensors it saved went to the closed engine's pack (found by an
+    # adversarial search)
+    packed = []
+    engine = DTR(eviction_threshold='1GB')
+    engine.__enter__()
+    later = torch.autograd.graph.saved_tensors_hooks(
+        lambda t: packed.append(1) or t, lambda t: t)
+    later.__enter__()
+    with pytest.raises(MmdtrError, match='saved_tensors_hooks context'):
+        engine.__exit__(None, None, None)
+    assert engine.active
+    (torch.randn(4, 8) @ torch.randn(8, 8, requires_grad=True)).tanh()
+    assert packed  # the context's own hooks
+    later.__exit__(None, None, None)
+    engine.__exit__(None, None, None)
+    assert not engine.active and outer_saved_tensor_hooks() is None
 
 
 def _assert_start_refused(match_scoped: str, match_enabled: str):
