@@ -72,7 +72,12 @@ def enable() -> DTR:
         evictee_minimum_size=evictee_minimum_size,
         enable_sqrt_sampling=enable_sqrt_sampling)
     engine.__enter__()
-    _local.engine = engine
+    # what this thread's engine read: another thread may set the switches
+    # since (found by an adversarial search)
+    _local.engine, _local.switches = engine, dict(
+        eviction_threshold=eviction_threshold,
+        evictee_minimum_size=evictee_minimum_size,
+        enable_sqrt_sampling=enable_sqrt_sampling)
     return engine
 
 
@@ -134,13 +139,14 @@ class _DTRModule(types.ModuleType):
             parsed = check(value, f'mmdtr.dtr.{name}')
             # the same setting passes ('3GB' is 3221225472; found by a
             # review)
-            if is_enabled() and parsed != check(getattr(self, name), name):
+            read = _local.switches[name] if is_enabled() else None
+            if is_enabled() and parsed != check(read, name):
                 # it took effect at the next enable() only: a change that
                 # seemed applied was not (found by an adversarial search)
                 raise MmdtrError(
                     f'mmdtr.dtr.{name}={value!r}: DTR is enabled on this '
                     'thread, and its engine read the switches at enable() '
-                    f'({name}={getattr(self, name)!r}).',
+                    f'({name}={read!r}).',
                     'Call mmdtr.dtr.disable(), set the switch, then '
                     'mmdtr.dtr.enable() again.')
         elif not (name in vars(self) or name.startswith('__')):

@@ -194,6 +194,26 @@ def test_switches_cannot_change_while_enabled(switches):
     dtr.disable()
 
 
+def test_a_switch_is_checked_against_what_this_threads_engine_read(switches):
+    # another thread set the switch since this one's enable(): a change
+    # here was compared with the module's value, so a new value passed
+    # unapplied and the engine's own was refused (found by an adversarial
+    # search)
+    engine = dtr.enable()
+    try:
+        worker = threading.Thread(
+            target=setattr, args=(dtr, 'eviction_threshold', '2MB'))
+        worker.start()
+        worker.join()
+        read = r'enable\(\) \(eviction_threshold=1\)'
+        with pytest.raises(MmdtrError, match=read):
+            dtr.eviction_threshold = '2MB'
+        dtr.eviction_threshold = 1  # what the engine uses
+        assert engine.eviction_threshold == 1
+    finally:
+        dtr.disable()
+
+
 def test_switches_cannot_be_deleted():
     with pytest.raises(MmdtrError, match='cannot be deleted'):
         del dtr.eviction_threshold
