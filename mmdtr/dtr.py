@@ -67,17 +67,12 @@ def enable() -> DTR:
     if is_enabled():
         raise MmdtrError('DTR is already enabled on this thread.',
                          'Call mmdtr.dtr.disable() first.')
-    engine = DTR(
-        eviction_threshold=eviction_threshold,
-        evictee_minimum_size=evictee_minimum_size,
-        enable_sqrt_sampling=enable_sqrt_sampling)
+    # read once: another thread may set them since (found by an
+    # adversarial search; a review: read twice, around __enter__)
+    switches = {name: globals()[name] for name in _SWITCHES}
+    engine = DTR(**switches)
     engine.__enter__()
-    # what this thread's engine read: another thread may set the switches
-    # since (found by an adversarial search)
-    _local.engine, _local.switches = engine, dict(
-        eviction_threshold=eviction_threshold,
-        evictee_minimum_size=evictee_minimum_size,
-        enable_sqrt_sampling=enable_sqrt_sampling)
+    _local.engine, _local.switches = engine, switches
     return engine
 
 

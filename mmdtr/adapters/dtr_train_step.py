@@ -5,12 +5,14 @@
 the data preprocessor and the forward, and closed as soon as
 ``optim_wrapper.backward`` returns, so gradient clipping, the optimizer step
 and ``zero_grad`` run without it (and an iteration that only accumulates
-gradients closes it too). With several optimizers (an ``OptimWrapperDict``)
-it spans the whole ``train_step``. An exception anywhere in the iteration
-closes it as well: no dispatch mode or saved-tensor hooks stay on the
-thread. The engine's statistics of each iteration go to MMEngine's
-``MessageHub`` (:data:`SCALARS`), each the largest over the ranks when
-distributed.
+gradients closes it too); when the model's ``train_step`` holds a context
+entered after the engine around the backward (``save_on_cpu``, a dispatch
+mode), at the end of ``train_step`` instead. With several optimizers (an
+``OptimWrapperDict``) it spans the whole ``train_step``. An exception
+anywhere in the iteration closes it as well: no dispatch mode or
+saved-tensor hooks stay on the thread. The engine's statistics of each
+iteration go to MMEngine's ``MessageHub`` (:data:`SCALARS`), each the
+largest over the ranks when distributed.
 
 :func:`dtr_settings` validates the ``dtr`` settings (:data:`DTR_SUB_KEYS`)
 with the engine's own checks; :func:`model_device` gives the device the
@@ -294,7 +296,11 @@ class DTRTrainStep:
             try:
                 return backward(loss, **kwargs)
             finally:
-                close()  # before gradient clipping and the step
+                # before gradient clipping and the step; after train_step
+                # where the model entered a context around its step (a
+                # save_on_cpu context: refused here; found by a review)
+                if engine.closable:
+                    close()
 
         optim_wrapper.backward = backward_then_close
         try:

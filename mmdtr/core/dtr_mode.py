@@ -188,8 +188,8 @@ class DTR:
                 ``__enter__``, or twice): Python calls it only after a
                 successful ``__enter__``, so this is a bug in the caller.
                 Also, with nothing changed, if it is closed from another
-                thread, inside backward, or under a dispatch mode entered
-                after it (R12).
+                thread, inside backward, or under a dispatch mode or a
+                ``saved_tensors_hooks`` context entered after it (R12).
         """
         if self._state is None:
             raise MmdtrError(
@@ -210,21 +210,12 @@ class DTR:
         # enabled, its hooks set; found by an adversarial search)
         popped = not any(mode is self._mode for mode in stack)
         stack_top = type(stack[-1]).__name__ if stack else 'none'
-        if not popped and stack[-1] is not self._mode:
+        above = self._entered_above(stack)
+        if above is not None:  # the body's error, if any, is its cause
             raise MmdtrError(
-                'a dispatch mode entered after this DTR engine is still '
-                f'active ({type(stack[-1]).__name__ if stack else "none"}); '
-                'modes leave in the reverse order they entered.',
-                'Leave that mode first.')
-        hooks = self._hooks
-        if hooks.entered and hooks_on_top(hooks.hooks.pack_hook) is False:
-            # closing popped that context's hooks, not the engine's: the
-            # tensors it saved went to the closed engine's pack (found by
-            # an adversarial search; PyTorch 2.8 and later tell)
-            raise MmdtrError(
-                'a saved_tensors_hooks context entered after this DTR engine '
-                'is still active; contexts leave in the reverse order they '
-                'entered.', 'Leave that context first.')
+                f'{above} entered after this DTR engine is still active; '
+                'they leave in the reverse order they entered.',
+                'Leave it first, then close the engine.') from exc
         if getattr(_ACTIVE, 'engine', None) is self:
             _ACTIVE.engine = None
         state, mode, hooks = self._state, self._mode, self._hooks
@@ -249,6 +240,28 @@ class DTR:
                 'after entering the other mode and stop it before leaving '
                 'that mode.')
         return False
+
+    def _entered_above(self, stack) -> Optional[str]:
+        """What was entered after this engine and is still active: a
+        dispatch mode, or a ``saved_tensors_hooks`` context where PyTorch
+        tells (2.8 and later; closing popped that context's hooks, not the
+        engine's; found by an adversarial search); ``None`` if nothing
+        (R12)."""
+        popped = not any(mode is self._mode for mode in stack)
+        if not popped and stack[-1] is not self._mode:
+            return f'a dispatch mode ({type(stack[-1]).__name__})'
+        hooks = self._hooks
+        if hooks.entered and hooks_on_top(hooks.hooks.pack_hook) is False:
+            return 'a saved_tensors_hooks context'
+        return None
+
+    @property
+    def closable(self) -> bool:
+        """Whether the engine is active and nothing entered after it on
+        its thread is still active, so ``__exit__`` there would close it
+        (from its thread, outside backward)."""
+        return self._state is not None and self._entered_above(
+            _get_current_dispatch_mode_stack()) is None
 
     def __reduce_ex__(self, protocol):
         """Copies and pickles (``copy``, ``deepcopy``, ``pickle``) of an

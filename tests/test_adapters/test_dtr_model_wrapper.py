@@ -20,6 +20,7 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import DATASETS
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset
 
 from mmdtr.adapters.checkpoint_loading import WEIGHTS_ONLY_BY_DEFAULT
@@ -29,6 +30,7 @@ from mmdtr.adapters.dtr_hook import DTRHook
 from mmdtr.adapters.dtr_model_wrapper import DTRDistributedDataParallel
 from mmdtr.adapters.dtr_train_step import DTRTrainStep
 from mmdtr.adapters.runner import MMDTRRunner
+from mmdtr.core.torch_compat import outer_saved_tensor_hooks
 from mmdtr.dtr import DTR, engine_active
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODEL_WRAPPERS
@@ -111,6 +113,49 @@ def test_train_step_closes_the_engine_after_backward():
     assert at_step == [False]
     assert model.dtr_seen == [('loss', True)] * 2
     assert len(hub.get_scalar('train/dtr_evictions').data[0]) == 2
+
+
+class _PassThrough(TorchDispatchMode):
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('context', ['save_on_cpu', 'mode'])
+def test_a_context_the_model_enters_around_its_step_closes_after_it(context):
+    # the engine closed inside update_params, under the model's context:
+    # refused (a saved_tensors_hooks context; found by a review) or
+    # raising (a dispatch mode entered after the engine); it closes after
+    # the step instead, with the plain step's parameters
+    model = DTRWrapperToyNet()
+    plain = copy.deepcopy(model)
+
+    def enter():
+        if context == 'save_on_cpu':
+            return torch.autograd.graph.save_on_cpu()
+        return _PassThrough()
+
+    def train_step(net, optim):
+
+        def run(data, optim_wrapper):
+            with enter():
+                loss = net(**data, mode='loss')['loss']
+                optim_wrapper.update_params(loss)
+            return dict(loss=loss.detach())
+
+        return run
+
+    optim, plain_optim = _sgd(model), _sgd(plain)
+    step = DTRTrainStep(
+        dict(DTR_CFG, recording_threshold=None),
+        message_hub=MessageHub.get_instance(f'dtr_{uuid.uuid4().hex}'))
+    for i in range(2):
+        step(train_step(model, optim), batch(i), optim)
+        train_step(plain, plain_optim)(batch(i), plain_optim)
+        assert torch._C._len_torch_dispatch_stack() == 0
+    assert outer_saved_tensor_hooks() is None
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_train_step_keeps_an_instance_backward_and_refuses_misuse():

@@ -214,6 +214,30 @@ def test_a_switch_is_checked_against_what_this_threads_engine_read(switches):
         dtr.disable()
 
 
+def test_enable_reads_the_switches_once(switches, monkeypatch):
+    # read again after __enter__, a change another thread made meanwhile
+    # was taken for what the engine read (found by a review)
+    from mmdtr.core import collector
+    space = collector.space_collections
+
+    def racing(engine):
+        worker = threading.Thread(
+            target=setattr, args=(dtr, 'eviction_threshold', '2MB'))
+        worker.start()
+        worker.join()
+        return space(engine)
+
+    monkeypatch.setattr(collector, 'space_collections', racing)
+    engine = dtr.enable()
+    try:
+        assert engine.eviction_threshold == 1
+        dtr.eviction_threshold = 1
+        with pytest.raises(MmdtrError, match='eviction_threshold=1\\)'):
+            dtr.eviction_threshold = '2MB'
+    finally:
+        dtr.disable()
+
+
 def test_switches_cannot_be_deleted():
     with pytest.raises(MmdtrError, match='cannot be deleted'):
         del dtr.eviction_threshold

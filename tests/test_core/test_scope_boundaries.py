@@ -151,6 +151,14 @@ def test_closing_under_saved_tensor_hooks_entered_after_it_is_refused():
     later.__exit__(None, None, None)
     engine.__exit__(None, None, None)
     assert not engine.active and outer_saved_tensor_hooks() is None
+    # the body's error is the refusal's cause, not lost (a review)
+    with pytest.raises(MmdtrError) as info:
+        with DTR(eviction_threshold='1GB') as engine:
+            later.__enter__()
+            raise KeyError('the body')
+    assert isinstance(info.value.__cause__, KeyError) and engine.active
+    later.__exit__(None, None, None)
+    engine.__exit__(None, None, None)
 
 
 def _assert_start_refused(match_scoped: str, match_enabled: str):
