@@ -124,6 +124,10 @@ def test_conv_bn_eval_and_checkpointing(tmp_path, plain_frozen, train_accum,
         activation_checkpointing=checkpointing)
     assert is_checkpointed(both_model.backbone.layer2)
     both = _state(both_model)
+    # the fusion took effect: its rounding shows (an audit: the test passed
+    # with the fusion turned off)
+    assert any(not torch.equal(p, fused[0][name])
+               for name, p in plain_frozen[0].items())
     for name, p in plain_frozen[0].items():
         # folding BN into the conv changes rounding only
         assert torch.allclose(p, fused[0][name], rtol=1e-5, atol=1e-6), name

@@ -91,8 +91,12 @@ def test_translation_pops_the_key(make_cfg, tmp_path):
         type='mmdtr.ActivationCheckpointingHook',
         modules=['backbone.layer1'],
         policy=None)
-    with pytest.raises(MmdtrError):  # all validated before changing cfg
-        translate_memory_keys(make_cfg(tmp_path, activation_checkpointing=1))
+    bad = make_cfg(tmp_path, activation_checkpointing=1)
+    before = bad.to_dict()
+    # all validated before changing cfg (an audit: nothing checked it)
+    with pytest.raises(MmdtrError, match='activation_checkpointing=1'):
+        translate_memory_keys(bad)
+    assert bad.to_dict() == before
 
 
 @pytest.mark.needs_selective_checkpointing

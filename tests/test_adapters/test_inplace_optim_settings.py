@@ -108,6 +108,16 @@ def _refusals():
         'scale_dict_interval':
         (dict(amp=dict(bf16, loss_scale=dict(growth_interval=0))), sgd,
          'amp.loss_scale.growth_interval=0'),
+        # the bounds themselves (an audit: a mutant accepting them lived)
+        'scale_dict_growth_one':
+        (dict(amp=dict(bf16, loss_scale=dict(growth_factor=1.0))), sgd,
+         'amp.loss_scale.growth_factor=1.0'),
+        'scale_dict_backoff_one':
+        (dict(amp=dict(bf16, loss_scale=dict(backoff_factor=1.0))), sgd,
+         'amp.loss_scale.backoff_factor=1.0'),
+        'scale_dict_backoff_zero':
+        (dict(amp=dict(bf16, loss_scale=dict(backoff_factor=0))), sgd,
+         'amp.loss_scale.backoff_factor=0'),
         'unknown_key':
         (dict(step_in_backwards=True), sgd,
          'optim_wrapper.step_in_backwards=True is not accepted'),

@@ -154,6 +154,20 @@ def test_amp_on_cpu_raises(make_cfg, tmp_path, optim_wrapper, key):
         MMDTRRunner.from_cfg(cfg)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU-only box')
+def test_amp_on_cpu_raises_for_the_class_and_a_subclass():
+    # new-style configs give the class (an audit: a mutant refusing names
+    # only lived)
+    from mmengine.optim import AmpOptimWrapper
+
+    class MyAmp(AmpOptimWrapper):
+        pass
+
+    for cls in (AmpOptimWrapper, MyAmp):
+        with pytest.raises(MmdtrError, match='needs a CUDA, NPU or MLU'):
+            check_amp_available(dict(type=cls, optimizer=dict(type='SGD')))
+
+
 def test_plain_optim_wrapper_passes():
     check_amp_available(dict(type='OptimWrapper', optimizer=dict(type='SGD')))
     check_amp_available(dict(optimizer=dict(type='SGD')))

@@ -263,3 +263,33 @@ def test_the_built_in_policies_are_importable_where_the_docs_import_them():
                  'LargestFirstPolicy'):
         assert getattr(dtr, name) is POLICIES[getattr(dtr, name).name]
         assert name in dtr.__all__
+
+
+class _SeesRebuilds(DTRPolicy):
+    """DTR's policy; keeps the most rebuilds a scored record had."""
+    name = 'sees_rebuilds'
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def score(self, record, clock):
+        self.most = max(self.most, record.remat_count)
+        return super().score(record, clock)
+
+
+def test_a_rebuild_counts_on_the_record_the_penalty_reads():
+    # an audit: with the count never raised, the recompute penalty read 0
+    # and no test noticed
+    policy = _SeesRebuilds()
+    x = torch.randn(64, 256, requires_grad=True)
+    with DTR(
+            eviction_threshold=4 * x.nbytes,
+            evictee_minimum_size=1,
+            policy=policy) as engine:
+        h = x
+        for _ in range(24):
+            h = h.tanh()
+        h.sum().backward()
+    assert engine.stats.recomputations > 0
+    assert policy.most > 1  # storages rebuilt, evicted and rebuilt again

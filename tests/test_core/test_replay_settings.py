@@ -1,6 +1,6 @@
 """Replay settings: a replay runs outside vmap and inference mode as the
 original did, captures the generator of the device a random op draws on,
-and replays copies blocking."""
+replays copies blocking, and builds no autograd graph."""
 import pytest
 import torch
 
@@ -112,3 +112,30 @@ def test_copies_are_replayed_blocking(monkeypatch):
     assert engine.stats.recomputations > 0 and asked
     assert not any(asked)
     assert torch.equal(x.grad, expected.grad)
+
+
+def test_a_replay_builds_no_graph(monkeypatch):
+    # its arguments are detached aliases: replayed with a parameter that
+    # requires grad, the op built a graph nobody backpropagates (an audit:
+    # a mutant passing them as they are lived)
+    from mmdtr.core.engine import EngineState
+    replayed, run = [], EngineState._run
+
+    def spy(self, func, args, kwargs, rng=None, unlocked=False):
+        out = run(self, func, args, kwargs, rng, unlocked)
+        if self.rebuilding is not None:  # inside a rebuild
+            outs = out if isinstance(out, (tuple, list)) else (out, )
+            replayed.extend(t.requires_grad for t in outs
+                            if isinstance(t, torch.Tensor))
+        return out
+
+    monkeypatch.setattr(EngineState, '_run', spy)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with DTR(eviction_threshold=3 * x.nbytes, evictee_minimum_size=1):
+        h = x
+        for _ in range(12):
+            h = lin(h).tanh()
+        h.sum().backward()
+    assert replayed and not any(replayed)
