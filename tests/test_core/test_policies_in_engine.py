@@ -284,8 +284,7 @@ def test_a_rebuild_counts_on_the_record_the_penalty_reads():
     policy = _SeesRebuilds()
     x = torch.randn(64, 256, requires_grad=True)
     with DTR(
-            eviction_threshold=4 * x.nbytes,
-            evictee_minimum_size=1,
+            eviction_threshold=4 * x.nbytes, evictee_minimum_size=1,
             policy=policy) as engine:
         h = x
         for _ in range(24):

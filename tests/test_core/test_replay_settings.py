@@ -125,8 +125,8 @@ def test_a_replay_builds_no_graph(monkeypatch):
         out = run(self, func, args, kwargs, rng, unlocked)
         if self.rebuilding is not None:  # inside a rebuild
             outs = out if isinstance(out, (tuple, list)) else (out, )
-            replayed.extend(t.requires_grad for t in outs
-                            if isinstance(t, torch.Tensor))
+            replayed.extend(
+                t.requires_grad for t in outs if isinstance(t, torch.Tensor))
         return out
 
     monkeypatch.setattr(EngineState, '_run', spy)
