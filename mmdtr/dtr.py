@@ -93,7 +93,7 @@ def disable() -> DTRStats:
         engine.__exit__(None, None, None)
     finally:
         if not engine.active:  # closed, or closed by hand before
-            _local.engine = None
+            _local.engine = _local.switches = None
     return engine.stats
 
 
@@ -134,14 +134,14 @@ class _DTRModule(types.ModuleType):
             parsed = check(value, f'mmdtr.dtr.{name}')
             # the same setting passes ('3GB' is 3221225472; found by a
             # review)
-            read = _local.switches[name] if is_enabled() else None
-            if is_enabled() and parsed != check(read, name):
+            read = _local.switches if is_enabled() else {}
+            if name in read and parsed != check(read[name], name):
                 # it took effect at the next enable() only: a change that
                 # seemed applied was not (found by an adversarial search)
                 raise MmdtrError(
                     f'mmdtr.dtr.{name}={value!r}: DTR is enabled on this '
                     'thread, and its engine read the switches at enable() '
-                    f'({name}={read!r}).',
+                    f'({name}={read[name]!r}).',
                     'Call mmdtr.dtr.disable(), set the switch, then '
                     'mmdtr.dtr.enable() again.')
         elif not (name in vars(self) or name.startswith('__')):

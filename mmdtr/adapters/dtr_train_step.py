@@ -297,8 +297,8 @@ class DTRTrainStep:
                 return backward(loss, **kwargs)
             finally:
                 # before gradient clipping and the step; after train_step
-                # where the model entered a context around its step (a
-                # save_on_cpu context: refused here; found by a review)
+                # where the model entered a context around its step
+                # (save_on_cpu: closing here would be refused; a review)
                 if engine.closable:
                     close()
 

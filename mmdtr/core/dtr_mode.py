@@ -208,7 +208,7 @@ class DTR:
         # this one instead of its own (torch pops the top): the engine is
         # closed all the same, then the misuse reported (it was stuck
         # enabled, its hooks set; found by an adversarial search)
-        popped = not any(mode is self._mode for mode in stack)
+        popped = self._popped(stack)
         stack_top = type(stack[-1]).__name__ if stack else 'none'
         above = self._entered_above(stack)
         if above is not None:  # the body's error, if any, is its cause
@@ -241,14 +241,18 @@ class DTR:
                 'that mode.')
         return False
 
+    def _popped(self, stack) -> bool:
+        """Whether this engine's mode is off the dispatch mode ``stack``
+        (popped by another mode's exit)."""
+        return not any(mode is self._mode for mode in stack)
+
     def _entered_above(self, stack) -> Optional[str]:
         """What was entered after this engine and is still active: a
         dispatch mode, or a ``saved_tensors_hooks`` context where PyTorch
         tells (2.8 and later; closing popped that context's hooks, not the
         engine's; found by an adversarial search); ``None`` if nothing
         (R12)."""
-        popped = not any(mode is self._mode for mode in stack)
-        if not popped and stack[-1] is not self._mode:
+        if not self._popped(stack) and stack[-1] is not self._mode:
             return f'a dispatch mode ({type(stack[-1]).__name__})'
         hooks = self._hooks
         if hooks.entered and hooks_on_top(hooks.hooks.pack_hook) is False:
@@ -257,11 +261,12 @@ class DTR:
 
     @property
     def closable(self) -> bool:
-        """Whether the engine is active and nothing entered after it on
-        its thread is still active, so ``__exit__`` there would close it
-        (from its thread, outside backward)."""
-        return self._state is not None and self._entered_above(
-            _get_current_dispatch_mode_stack()) is None
+        """Whether ``__exit__`` called here, on the engine's thread, would
+        close it: active, and nothing entered after it still active (inside
+        backward it is refused all the same)."""
+        return self._state is not None and \
+            self._thread == threading.get_ident() and \
+            self._entered_above(_get_current_dispatch_mode_stack()) is None
 
     def __reduce_ex__(self, protocol):
         """Copies and pickles (``copy``, ``deepcopy``, ``pickle``) of an

@@ -277,7 +277,8 @@ def checkpointed_forward(self: nn.Module, *args, **kwargs):
         raise _kept_output_written(
             owner, kept, 'later in its forward, where a copy made before '
             'the write would not be exact (a kept view, another kept '
-            'output over its storage, or a dispatch mode in between)')
+            'output over its storage, a copy with other strides, or a '
+            'dispatch mode in between)')
     for kept_outputs in forward_contexts:
         kept_outputs.watch_outputs(out)
     # parameters as the forward left them (Embedding(max_norm=...) writes

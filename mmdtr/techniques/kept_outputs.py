@@ -89,36 +89,36 @@ class KeptOutputs:
         another mode between this one and SAC's), the op is noted as
         written.
         """
-        storages = {t.untyped_storage()._cdata for t in written}
-        hit = [(key, kept) for key, kept in self._entries()
-               if kept.val.untyped_storage()._cdata in storages]
-        if hit and not self._copied_before_write(hit):
-            self.written_op = _op_name(hit[0][0])
+        storages = {_storage_id(t) for t in written} - {None}
+        written_entries = [(key, entry) for key, entry in self._entries()
+                           if _storage_id(entry.val) in storages]
+        if written_entries and not self._copied_before_write(written_entries):
+            self.written_op = _op_name(written_entries[0][0])
 
-    def _copied_before_write(self, hit: list) -> bool:
-        """Give each entry of ``hit`` a copy of its value; False, with
-        nothing changed, where that could not be done exactly."""
-        if not all(_returns_fresh_tensors(key) for key, _ in hit):
+    def _copied_before_write(self, written_entries: list) -> bool:
+        """Give each ``(op, entry)`` of ``written_entries`` a copy of its
+        value; False, with nothing changed, where that could not be done
+        exactly."""
+        if not all(_returns_fresh_tensors(op) for op, _ in written_entries):
             # a kept view (a policy keeping view ops) would no longer alias
             # its base in the recompute (found by a review)
             return False
-        over = [kept.val.untyped_storage()._cdata for _, kept in hit]
-        if len(set(over)) < len(over) or len(hit) < sum(
-                1 for _, kept in self._entries()
-                if kept.val.untyped_storage()._cdata in over):
-            return False  # kept outputs alias each other: they would not
+        storage_ids = [_storage_id(entry.val) for _, entry in written_entries]
+        if len(set(storage_ids)) < len(storage_ids):
+            return False  # kept outputs alias each other (defensive: fresh
+            # returns have storages of their own); copies would not
         # inside this mode's __torch_dispatch__, SAC's is next: the copy
         # runs below it (not an op of the forward), metered by any mode
         # below (DTR's)
         if _get_current_dispatch_mode() is not self.sac_forward:
             return False
         with _pop_mode_temporarily():
-            copies = [kept.val.clone() for _, kept in hit]
-        if any(c.stride() != kept.val.stride()
-               for c, (_, kept) in zip(copies, hit)):
+            copies = [entry.val.clone() for _, entry in written_entries]
+        if any(c.stride() != entry.val.stride()
+               for c, (_, entry) in zip(copies, written_entries)):
             return False
-        for copy, (_, kept) in zip(copies, hit):
-            kept.val, kept.version = copy, copy._version
+        for copy, (_, entry) in zip(copies, written_entries):
+            entry.val, entry.version = copy, copy._version
         return True
 
     def saw_outputs(self, out) -> None:
@@ -207,11 +207,16 @@ _UNANNOTATED_VIEWS = frozenset(('_unsafe_view', 'unsafe_chunk', 'unsafe_split',
                                 'unsafe_split_with_sizes'))
 
 
+def _op_of(key):
+    """The op of a key of SAC's store (the op, or a tuple starting with
+    it)."""
+    return key[0] if isinstance(key, tuple) else key
+
+
 def _returns_fresh_tensors(key) -> bool:
     """Whether the op of a store key returns tensors over storages of their
     own (no view of an input); False when unsure."""
-    op = key[0] if isinstance(key, tuple) else key
-    schema = getattr(op, '_schema', None)
+    schema = getattr(_op_of(key), '_schema', None)
     if schema is None:
         return False
     return all(r.alias_info is None for r in schema.returns) and \
@@ -219,7 +224,7 @@ def _returns_fresh_tensors(key) -> bool:
 
 
 def _op_name(key) -> str:
-    return str(key[0] if isinstance(key, tuple) else key)
+    return str(_op_of(key))
 
 
 def written_kept_output(kept_outputs: list) -> Optional[str]:
