@@ -19,8 +19,8 @@ from mmdtr.techniques.inplace_update import (NOT_PER_PARAMETER,
                                              foreach_refused,
                                              not_per_parameter_refused)
 from mmdtr.utils.value_kinds import is_integer, is_real
-from .setting_values import (argument_names, check_bool, check_keys,
-                             check_positive)
+from .setting_values import (argument_names, check_keys, check_positive,
+                             refuse_non_bool)
 
 KEY = 'optim_wrapper'
 #: The arguments of ``InplaceOptimWrapper``.
@@ -72,7 +72,7 @@ def check_step_in_backward(step_in_backward, prefix: str = KEY) -> None:
     Raises:
         MmdtrError: If it is not True or False.
     """
-    check_bool(step_in_backward, f'{prefix}.step_in_backward')
+    refuse_non_bool(step_in_backward, f'{prefix}.step_in_backward')
 
 
 def check_accumulative_counts(counts,
@@ -167,8 +167,9 @@ def clip_grad_settings(clip_grad,
             "positive number, float('inf') or 'inf'.",
             hint='e.g. norm_type=2.0 (the default) or norm_type=1.0.')
     if 'error_if_nonfinite' in settings:
-        check_bool(settings['error_if_nonfinite'], f'{key}.error_if_nonfinite')
-    check_bool(settings.get('foreach'), f'{key}.foreach', allow_none=True)
+        refuse_non_bool(settings['error_if_nonfinite'],
+                        f'{key}.error_if_nonfinite')
+    refuse_non_bool(settings.get('foreach'), f'{key}.foreach', allow_none=True)
     if not step_in_backward:
         return settings, None
     if clip_type != 'value':
@@ -214,7 +215,7 @@ def _scaler_kwargs(loss_scale: dict, prefix: str) -> dict:
                 'positive integer.',
                 hint='e.g. growth_interval=2000 (the default).')
         elif name == 'enabled':
-            check_bool(value, f'{key}.{name}')
+            refuse_non_bool(value, f'{key}.{name}')
     return dict(loss_scale)
 
 

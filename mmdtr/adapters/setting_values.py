@@ -25,7 +25,7 @@ def check_positive(value, key: str, hint: str) -> None:
             hint=hint)
 
 
-def check_bool(value, key: str, allow_none: bool = False) -> None:
+def refuse_non_bool(value, key: str, allow_none: bool = False) -> None:
     """Refuse ``value`` of ``key`` unless it is a bool (or None, where
     ``allow_none``)."""
     if not (isinstance(value, bool) or allow_none and value is None):
