@@ -9,6 +9,7 @@ the form the wrapper applies. Nothing here
 changes the optimizer or the model, so the wrapper checks all of its settings
 before it applies any.
 """
+import difflib
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -286,9 +287,9 @@ def amp_settings(amp,
 
 def check_wrapper_keys(settings: dict, prefix: str = KEY) -> None:
     """Refuse a key ``InplaceOptimWrapper`` does not take, with the closest
-    name; ``AmpOptimWrapper``'s ``dtype`` and ``loss_scale`` with where
-    they go (the closest name was ``type``; found by an adversarial
-    search).
+    name; ``AmpOptimWrapper``'s ``dtype`` and ``loss_scale`` (or names
+    close to them) with where they go (the closest name was ``type``;
+    found by an adversarial search).
 
     Args:
         settings (dict): The wrapper's keys and values.
@@ -297,7 +298,11 @@ def check_wrapper_keys(settings: dict, prefix: str = KEY) -> None:
     Raises:
         MmdtrError: If a key is not accepted.
     """
-    amp_keys = [k for k in AMP_KEYS if k in settings]
+    accepted = WRAPPER_KEYS + BUILDER_KEYS
+    amp_keys = [  # misspelt ones too: 'dtyp' was told 'rename to type'
+        k for k in settings if k in AMP_KEYS or k not in accepted
+        and difflib.get_close_matches(str(k), AMP_KEYS, n=1, cutoff=0.8)
+    ]
     if amp_keys:
         raise MmdtrError(
             ', '.join(f'{prefix}.{k}={settings[k]!r}' for k in amp_keys) +
@@ -305,8 +310,8 @@ def check_wrapper_keys(settings: dict, prefix: str = KEY) -> None:
             "AmpOptimWrapper's; InplaceOptimWrapper takes them in "
             'amp=dict(dtype=..., loss_scale=...).',
             hint=f'move them into {prefix}.amp; {_AMP_EXAMPLE}.')
-    check_keys(settings, WRAPPER_KEYS + BUILDER_KEYS, prefix,
-               'an InplaceOptimWrapper argument', settings)
+    check_keys(settings, accepted, prefix, 'an InplaceOptimWrapper argument',
+               settings)
 
 
 def check_wrapper_config(wrapper: dict,

@@ -40,8 +40,11 @@ def _refusals():
         # (found by an adversarial search)
         'amp_keys_at_the_top': (dict(dtype='bfloat16', loss_scale='dynamic'),
                                 sgd, "move them into optim_wrapper.amp"),
-        'amp_scale':
-        (dict(amp=dict(loss_scale='static')), sgd, "amp.loss_scale='static'"),
+        'amp_key_misspelt_at_the_top':
+        (dict(dtyp='bfloat16'), sgd, "optim_wrapper.dtyp='bfloat16' is not "
+         "accepted: AmpOptimWrapper's"),
+        'amp_scale': (dict(amp=dict(loss_scale='static')), sgd,
+                      "amp.loss_scale='static'"),
         # a negative clip_value clamps every gradient to it
         'clip_negative':
         (dict(clip_grad=dict(value, clip_value=-1), step_in_backward=True),
