@@ -51,12 +51,17 @@ _STARTED_BY = {
 }
 
 
+def _started_by(launcher: str) -> str:
+    """The hint of how ``launcher``'s processes get their variables."""
+    return _STARTED_BY.get(launcher, _STARTED_BY['pytorch'])
+
+
 def _env(name: str, launcher: str) -> str:
     if name not in os.environ:
         raise MmdtrError(
             f'launcher {launcher!r} needs the environment variable {name}, '
             'which is not set.',
-            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch']))
+            hint=_started_by(launcher))
     return os.environ[name]
 
 
@@ -156,7 +161,7 @@ def _env_int(name: str, launcher: str) -> int:
         raise MmdtrError(
             f'launcher {launcher!r}: the environment variable {name}='
             f'{value!r} is not an integer.',
-            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch'])) from None
+            hint=_started_by(launcher)) from None
 
 
 def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
@@ -188,7 +193,7 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
             f'launcher {launcher!r}: the environment variables {rank_name}='
             f'{rank} and {size_name}={size} are not a rank of the world: '
             f'accepted: 0 <= {rank_name} < {size_name}.',
-            hint=_STARTED_BY.get(launcher, _STARTED_BY['pytorch']))
+            hint=_started_by(launcher))
     if launcher == 'slurm':
         if 'MASTER_ADDR' not in os.environ:
             _env('SLURM_NODELIST', launcher)

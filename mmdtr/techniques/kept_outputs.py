@@ -137,8 +137,8 @@ class KeptOutputs:
         their own version counters (held detached: the counter, not the
         graph; SAC keeps the storage anyway)."""
         kept = {
-            val.untyped_storage()._cdata: key
-            for key, val, _ in self._kept()
+            entry.val.untyped_storage()._cdata: key
+            for key, entry in self._entries()
         }
         alive = [t for t in (ref() for ref in self.made) if t is not None]
         self.made = []
@@ -166,24 +166,19 @@ class KeptOutputs:
         for key, entries in store.items():
             if isinstance(entries, dict):  # by call index (newer torch)
                 entries = list(entries.values())
-            for kept in tree_leaves(entries):
-                val = getattr(kept, 'val', None)
-                version = getattr(kept, 'version', None)
+            for entry in tree_leaves(entries):
+                val = getattr(entry, 'val', None)
+                version = getattr(entry, 'version', None)
                 if isinstance(val, torch.Tensor) and version is not None:
-                    yield key, kept
-
-    def _kept(self):
-        """``(op, tensor, version)`` of each output in SAC's store."""
-        for key, kept in self._entries():
-            yield key, kept.val, kept.version
+                    yield key, entry
 
     def written(self) -> Optional[str]:
         """The op whose kept output was written in place since it was
         kept, or None."""
         if self.written_op is not None:
             return self.written_op
-        for key, val, version in self._kept():
-            if val._version != version:
+        for key, entry in self._entries():
+            if entry.val._version != entry.version:
                 return _op_name(key)
         for alias, version, key in self.outputs:
             if alias._version != version:
