@@ -59,14 +59,18 @@ def test_state_written_often_before_a_sweep_keeps_few_inputs():
         z = (state + u).exp()  # saves its output: a handle reaching state
         (v * v).sum().backward()  # state is made before a backward now
         del z  # its handle goes: a sweep is due, some 300 ops from now
+        kept = []  # after each write
         for _ in range(40):
             x = batches.pop(0)
             alive.append(weakref.ref(x))
             state.add_(x + 1)  # logged: the recipe of x + 1 holds x
             del x
-        gc.collect()
-        kept = sum(r() is not None for r in alive)
-    assert kept <= MAX_MUTATIONS
+            gc.collect()
+            kept.append(sum(r() is not None for r in alive))
+    # the log holds MAX_MUTATIONS writes, and the next one drops them all
+    # (the boundary: a mutant capping at MAX_MUTATIONS + 1 passed before)
+    assert kept[:MAX_MUTATIONS + 1] == [*range(1, MAX_MUTATIONS + 1), 0]
+    assert max(kept) == MAX_MUTATIONS
 
 
 def test_activation_written_many_times_in_its_forward_stays_evictable(
