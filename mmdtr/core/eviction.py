@@ -31,11 +31,15 @@ def _scored(policy, score, rec, clock) -> float:
         raise policy_failed(policy, error) from error
 
 
-def _same_device(device, metered) -> bool:
-    """Whether a storage on ``device`` is on the ``metered`` one, which
-    may be given without an index (``'cuda'``)."""
-    return metered is None or device.type == metered.type and (
-        metered.index is None or device.index == metered.index)
+def _frees_metered(device, metered) -> bool:
+    """Whether evicting a storage on ``device`` lowers memory in use as
+    metered on ``metered`` (which may be given without an index,
+    ``'cuda'``): a CUDA device's counter sees its own storages only; the
+    CPU meter counts every storage an op allocates in scope, of any device
+    (R11)."""
+    return metered is None or metered.type == 'cpu' or (
+        device.type == metered.type and
+        (metered.index is None or device.index == metered.index))
 
 
 def _exclusive(rec) -> bool:
@@ -73,11 +77,13 @@ class Evictor:
 
     def _add_candidate(self, rec):
         # an empty storage frees nothing (and policies divide by its size),
-        # nor does one on another device than the metered one (a CPU
-        # tensor under a CUDA engine; found by a review of the CUDA paths)
+        # nor does one a CUDA engine's counter does not see (a CPU tensor;
+        # found by a review of the CUDA paths). The CPU meter sees all: a
+        # filter on both sides left every CUDA activation resident in a
+        # scope that a small CPU tensor made first had metered on CPU
         if rec.cand_index < 0 and rec.nbytes >= max(self.min_size, 1) \
                 and rec.recomputable(rec.version) and (
-                    rec.device == self.device or _same_device(
+                    rec.device == self.device or _frees_metered(
                         rec.device, self.device)):
             rec.cand_index = len(self.candidates)
             self.candidates.append(rec)
