@@ -330,12 +330,22 @@ class Writes:
         which then reads other bytes: the records reading ``t``'s storage
         are frozen first, as before a write (R7). ``t.set_()`` makes a new,
         empty storage: it is registered, so that growing it later is
-        metered (R11).
+        metered (R11). ``t``, which has a counter of its own, is tracked
+        over the storage it now shows, as the views ops return are: a write
+        through it after the scope is seen (R13; found by an adversarial
+        search: a rebuild read the bytes it wrote).
         """
-        self._before_write(get_arg(info, args, kwargs, 0))
+        t = get_arg(info, args, kwargs, 0)
+        self._before_write(t)
         out = self._run(func, args, kwargs)
         self.clock += 1
         storage = storage_set_made(info, args, kwargs)
         if storage is not None and storage._cdata not in self.records:
             self._register(storage, storage._cdata)
+        if type(t) in _PLAIN:  # a wrapper subclass has no storage
+            storage = t.untyped_storage()
+            rec = self.records.get(storage._cdata)
+            if rec is None:
+                rec = self.unrecorded_tensors_of(storage._cdata, storage)
+            rec.track(t)
         return out
