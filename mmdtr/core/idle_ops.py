@@ -43,6 +43,14 @@ def check_recording_threshold(value, eviction_threshold) -> Optional[int]:
         MmdtrError: If ``value`` is not a size, or not below the eviction
             threshold.
     """
+    if isinstance(value, str) and value.strip().lower() == 'auto':
+        raise MmdtrError(
+            f'recording_threshold={value!r} is not a size: DTR takes bytes '
+            "or None. 'auto' is read by the dtr config key and DTRHook, "
+            'which choose a size per iteration from the recent ones.',
+            'Give a size, or None to record from the first op; in a loop '
+            'of your own, RecentSteps (mmdtr.core.recording_threshold) '
+            "gives the size 'auto' would choose.")
     recording = parse_size(value, 'recording_threshold', allow_none=True)
     if not recording:
         return None

@@ -120,14 +120,20 @@ def test_meter_equals_profiler_before_recording_starts():
     assert stats.peak_memory == profiled
 
 
-@pytest.mark.parametrize('value, text', [
-    ('2GB', "recording_threshold='2GB' (2147483648 bytes) is not below "
-     'eviction_threshold (1073741824 bytes)'),
-    ('1GB', 'is not below eviction_threshold'),
-    ('auto', "recording_threshold='auto' is not a size"),
-    (True, 'recording_threshold=True'),
-    (-1, 'recording_threshold=-1 is negative'),
-])
+@pytest.mark.parametrize(
+    'value, text',
+    [
+        ('2GB', "recording_threshold='2GB' (2147483648 bytes) is not below "
+         'eviction_threshold (1073741824 bytes)'),
+        ('1GB', 'is not below eviction_threshold'),
+        # 'auto' is the config key's and DTRHook's; the error says so
+        ('auto',
+         "recording_threshold='auto' is not a size: DTR takes bytes or "
+         "None. 'auto' is read by the dtr config key and DTRHook"),
+        (' Auto', 'RecentSteps (mmdtr.core.recording_threshold)'),
+        (True, 'recording_threshold=True'),
+        (-1, 'recording_threshold=-1 is negative'),
+    ])
 def test_bad_recording_thresholds_are_refused(value, text):
     with pytest.raises(MmdtrError, match='mmdtr: ') as info:
         DTR(eviction_threshold='1GB', recording_threshold=value)
