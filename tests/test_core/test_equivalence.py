@@ -271,7 +271,18 @@ def _smoothed_weighted_ce(x, target):
         ignore_index=255)
 
 
-@pytest.mark.parametrize('loss_fn', [_box_area_loss, _smoothed_weighted_ce])
+def _affine_grid_under_autocast(x, target):
+    # eager's grid is bfloat16 (autocast casts the bmm inside the kernel);
+    # under any dispatch mode it is float32 (design.md's limits)
+    theta = x[:2, :6].reshape(2, 2, 3)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        grid = F.affine_grid(theta, (2, 1, 5, 5), align_corners=False)
+    return grid.float().square().sum()
+
+
+@pytest.mark.parametrize(
+    'loss_fn',
+    [_box_area_loss, _smoothed_weighted_ce, _affine_grid_under_autocast])
 def test_ops_whose_formula_any_dispatch_mode_changes_match_an_empty_mode(
         loss_fn):
     """Under any dispatch mode PyTorch takes its tensor-subclass path in
