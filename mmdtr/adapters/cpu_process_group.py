@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import traceback
+import urllib.parse
 from typing import Optional
 
 import torch.distributed as torch_dist
@@ -164,6 +165,44 @@ def _env_int(name: str, launcher: str) -> int:
             hint=_started_by(launcher)) from None
 
 
+def _check_port(launcher: str) -> None:
+    """``MASTER_PORT``, where set, is a TCP port: out of range it raised
+    a raw ``ValueError`` from the store after the work dir was made (found
+    by an adversarial search)."""
+    if 'MASTER_PORT' in os.environ:
+        port = _env_int('MASTER_PORT', launcher)
+        if not 1 <= port <= 65535:
+            raise MmdtrError(
+                f'launcher {launcher!r}: the environment variable '
+                f'MASTER_PORT={port} is not a port; accepted: 1 to 65535.',
+                hint=_started_by(launcher))
+
+
+def _check_torchrun_init_method(dist_cfg: Optional[dict]) -> None:
+    """Under torchrun every rank's store is a client of torchrun's own, at
+    ``MASTER_ADDR:MASTER_PORT``: a ``tcp://`` ``init_method`` at another
+    port waited for a store nothing serves, silently, for the collective
+    timeout (30 minutes; found by an adversarial search)."""
+    method = (dist_cfg or {}).get('init_method', None)
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or \
+            not isinstance(method, str) or not method.startswith('tcp://'):
+        return
+    master = os.environ.get('MASTER_PORT')
+    try:
+        port = urllib.parse.urlparse(method).port
+    except ValueError:
+        port = None
+    if port is None or str(port) != master:
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.init_method={method!r} is not accepted '
+            "under torchrun (tools/dist_train.sh): the ranks' stores are "
+            "clients of torchrun's, at port MASTER_PORT="
+            f'{master}, and would wait for one at another port that '
+            'nothing serves.',
+            hint='leave init_method out (env://: torchrun\'s address), or '
+            'give that port (dist_train.sh: PORT).')
+
+
 def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
     """Check that the variables a launcher's processes get are set:
     ``tools/train.py`` calls it before the runner makes its work dir (a run
@@ -178,7 +217,9 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
 
     Raises:
         MmdtrError: Naming the first variable missing or not an integer,
-            or a rank outside the world size.
+            a rank outside the world size, a ``MASTER_PORT`` that is no
+            port, or under torchrun a ``tcp://`` ``init_method`` at another
+            port than its own.
     """
     if launcher not in _LAUNCHER_ENV:
         return
@@ -194,6 +235,9 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
             f'{rank} and {size_name}={size} are not a rank of the world: '
             f'accepted: 0 <= {rank_name} < {size_name}.',
             hint=_started_by(launcher))
+    _check_port(launcher)
+    if launcher == 'pytorch':
+        _check_torchrun_init_method(dist_cfg)
     if launcher == 'slurm':
         if 'MASTER_ADDR' not in os.environ:
             _env('SLURM_NODELIST', launcher)

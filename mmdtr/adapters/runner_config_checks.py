@@ -9,6 +9,8 @@ in ``runner.train()`` (or once per rank), in a traceback.
 """
 import difflib
 import inspect
+import multiprocessing
+import platform
 from typing import Optional
 
 from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
@@ -181,6 +183,42 @@ def check_cpu_distributed(cfg, custom_hooks: list) -> None:
             'with GPU modules only.',
             hint='leave sync_bn out on CPU (each rank then keeps batch '
             'statistics of its own).')
+
+
+@config_check
+def check_mp_cfg(cfg, custom_hooks: list) -> None:
+    """Check ``env_cfg.mp_cfg``, which MMEngine's runner passes to
+    ``set_multi_processing`` as it sets up: an unknown key or start method
+    raised a raw error there, after the work dir was made, once per rank
+    under a launcher (found by an adversarial search).
+
+    Args:
+        cfg (Config): The config.
+        custom_hooks (list): Its hooks (unused).
+
+    Raises:
+        MmdtrError: On a key ``set_multi_processing`` does not take, or a
+            ``mp_start_method`` this platform does not have.
+    """
+    env_cfg = cfg.get('env_cfg', None)
+    if not isinstance(env_cfg, dict):
+        return  # MMEngine's and the launcher check's to name
+    mp_cfg = env_cfg.get('mp_cfg', None)
+    example = "e.g. env_cfg = dict(mp_cfg=dict(mp_start_method='fork'))"
+    refuse_unless_dict('env_cfg.mp_cfg', mp_cfg, 'a dict of '
+                       'set_multi_processing arguments', example + '.')
+    if not mp_cfg:
+        return
+    check_keys(mp_cfg, ('mp_start_method', 'opencv_num_threads'),
+               'env_cfg.mp_cfg', 'an argument of set_multi_processing', mp_cfg,
+               example)
+    methods = multiprocessing.get_all_start_methods()
+    method = mp_cfg.get('mp_start_method', 'fork')
+    if platform.system() != 'Windows' and method not in methods:
+        raise MmdtrError(
+            f'env_cfg.mp_cfg.mp_start_method={method!r} is not a start '
+            f'method of this platform; accepted: {", ".join(methods)}.',
+            hint=example + '.')
 
 
 @config_check

@@ -40,10 +40,16 @@ def test_init_cpu_dist_refuses_bad_dist_cfg(single_rank_env, dist_cfg, match):
     assert not torch_dist.is_initialized()
 
 
-@pytest.mark.parametrize('name, value, match', [
-    ('MASTER_ADDR', None, 'needs the environment variable MASTER_ADDR'),
-    ('RANK', 'abc', "RANK='abc' is not an integer"),
-])
+@pytest.mark.parametrize(
+    'name, value, match',
+    [
+        ('MASTER_ADDR', None, 'needs the environment variable MASTER_ADDR'),
+        ('RANK', 'abc', "RANK='abc' is not an integer"),
+        # a raw ValueError from the store (found by an adversarial search)
+        ('MASTER_PORT', '99999', 'MASTER_PORT=99999 is not a port'),
+        ('MASTER_PORT', '-5', 'MASTER_PORT=-5 is not a port'),
+        ('MASTER_PORT', '0', 'MASTER_PORT=0 is not a port'),
+    ])
 def test_init_cpu_dist_refuses_a_bad_environment(single_rank_env, monkeypatch,
                                                  name, value, match):
     # raw ValueErrors of int() and of torch's env:// (found by an
@@ -125,6 +131,35 @@ def test_launcher_variables_with_an_init_method(single_rank_env, monkeypatch):
     check_launcher_env('pytorch', dict(init_method='tcp://127.0.0.1:1'))
     with pytest.raises(MmdtrError, match='MASTER_ADDR'):
         check_launcher_env('pytorch')
+
+
+@pytest.mark.parametrize('init_method, accepted', [
+    ('tcp://127.0.0.1:{port}', True),
+    ('tcp://localhost:{port}', True),
+    ('tcp://127.0.0.1:1', False),
+    ('tcp://127.0.0.1', False),
+    ('tcp://127.0.0.1:port', False),
+    ('env://', True),
+    ('file:///tmp/store', True),
+])
+def test_init_method_under_torchrun_is_at_its_port(single_rank_env,
+                                                   monkeypatch, init_method,
+                                                   accepted):
+    # under torchrun every rank's store is a client of torchrun's: a tcp://
+    # init_method at another port hung until the collective timeout (found
+    # by an adversarial search); outside torchrun rank 0 serves it
+    dist_cfg = dict(
+        init_method=init_method.format(port=os.environ['MASTER_PORT']))
+    check_launcher_env('pytorch', dist_cfg)
+    monkeypatch.setenv('TORCHELASTIC_USE_AGENT_STORE', 'True')
+    if accepted:
+        check_launcher_env('pytorch', dist_cfg)
+        return
+    with pytest.raises(MmdtrError, match='is not accepted under torchrun'):
+        check_launcher_env('pytorch', dist_cfg)
+    with pytest.raises(MmdtrError, match='is not accepted under torchrun'):
+        init_cpu_dist('pytorch', **dist_cfg)
+    assert not torch_dist.is_initialized()
 
 
 @cpu_only
