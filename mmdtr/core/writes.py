@@ -342,10 +342,15 @@ class Writes:
         storage = storage_set_made(info, args, kwargs)
         if storage is not None and storage._cdata not in self.records:
             self._register(storage, storage._cdata)
-        if type(t) in _PLAIN:  # a wrapper subclass has no storage
-            storage = t.untyped_storage()
-            rec = self.records.get(storage._cdata)
-            if rec is None:
-                rec = self.unrecorded_tensors_of(storage._cdata, storage)
-            rec.track(t)
+        if type(t) not in _PLAIN:  # a wrapper subclass has no storage
+            return out
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        if t._base is not None and t._base.untyped_storage()._cdata != cdata:
+            return out  # a view of a base elsewhere: its writes move t's
+            # counter, and would read as writes here (found by a review)
+        rec = self.records.get(cdata)
+        if rec is None:
+            rec = self.unrecorded_tensors_of(cdata, storage)
+        rec.track(t)
         return out

@@ -243,6 +243,20 @@ def test_tensor_set_onto_an_input_in_scope_written_after_it_is_refused():
         _run(forward, lambda d: d.add_(1), True, w)
 
 
+def test_view_set_onto_an_input_in_scope_then_its_base_written():
+    # v = buf[:4].set_(x's storage) shares buf's counter: a write to buf
+    # after the scope writes no byte of x, but moved v's counter and was
+    # refused once v was tracked (found by a review of that change)
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x, buf = torch.randn(32, 32), torch.zeros(64)
+
+    def forward():
+        return _chain_after(x @ w, w), buf[:4].set_(x.untyped_storage())
+
+    _same_as_eager(forward, lambda v: buf.add_(1), w)
+
+
 def test_inference_tensor_as_an_input():
     # inference tensors have no version counter: reading one crashed the
     # recipe ("Inference tensors do not track version counter")
