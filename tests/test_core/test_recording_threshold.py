@@ -131,8 +131,9 @@ def test_meter_equals_profiler_before_recording_starts():
          "recording_threshold='auto' is not a size: DTR takes bytes or "
          "None. 'auto' is read by the dtr config key and DTRHook"),
         ('auto', 'RecentSteps (mmdtr.core.recording_threshold)'),
-    # spelt otherwise, it is not what they read either (a review)
-    ('AUTO', "recording_threshold='AUTO' is not a size. Hint: Give an int"),
+        # spelt otherwise, it is not what they read either (a review)
+        ('AUTO', "recording_threshold='AUTO' is not a size. Hint: Give an int"
+         ),
         (True, 'recording_threshold=True'),
         (-1, 'recording_threshold=-1 is negative'),
     ])
