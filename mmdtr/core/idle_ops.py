@@ -43,7 +43,7 @@ def check_recording_threshold(value, eviction_threshold) -> Optional[int]:
         MmdtrError: If ``value`` is not a size, or not below the eviction
             threshold.
     """
-    if value == 'auto':  # as the dtr key and DTRHook read it
+    if isinstance(value, str) and value == 'auto':  # as the dtr key reads it
         raise MmdtrError(
             f'recording_threshold={value!r} is not a size: DTR takes bytes '
             "or None. 'auto' is read by the dtr config key and DTRHook, "

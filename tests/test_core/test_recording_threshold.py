@@ -4,6 +4,7 @@ Before memory in use passes ``recording_threshold`` the engine runs ops as
 they are and meters what they allocate; what they make is never evicted,
 and the result is bit-identical to eager wherever recording starts.
 """
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -135,6 +136,10 @@ def test_meter_equals_profiler_before_recording_starts():
         ('AUTO', "recording_threshold='AUTO' is not a size. Hint: Give an int"
          ),
         (True, 'recording_threshold=True'),
+        # compared with 'auto' as a string only (an array raised NumPy's
+        # ValueError there)
+        (np.ones(3), 'recording_threshold=array([1., 1., 1.]) is not a '
+         'size'),
         (-1, 'recording_threshold=-1 is negative'),
     ])
 def test_bad_recording_thresholds_are_refused(value, text):
