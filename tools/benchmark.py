@@ -171,6 +171,24 @@ def main(argv=None) -> int:
     work_dir = args.work_dir if given else osp.join('work_dirs', 'benchmark',
                                                     name)
     check_work_dir(work_dir, '--work-dir' if given else 'the default work dir')
+    try:
+        return _run(args, work_dir)
+    except OSError as error:  # os.access passes for root, and /sys refuses
+        # writes anyway; a file in the way of logs/ (found by an
+        # adversarial search: raw tracebacks)
+        if error.filename is None or not osp.abspath(str(
+                error.filename)).startswith(osp.abspath(work_dir)):
+            raise
+        raise MmdtrError(
+            f'cannot write {error.filename!r} in the work dir: '
+            f'{error.strerror}.',
+            hint='give a --work-dir you can write to, with nothing in the '
+            'way of its logs/, results.json, benchmark.md and plots.'
+        ) from error
+
+
+def _run(args, work_dir: str) -> int:
+    """:func:`main` once the work dir is checked."""
     json_path = osp.join(work_dir, 'results.json')
     # a results.json that is not the benchmark's is refused before any run
     results = read_results(json_path)
@@ -207,6 +225,9 @@ def main(argv=None) -> int:
         start = time.monotonic()
         section, data = run_command(command, args, suite, capacity)
         data['settings']['wall_s'] = round(time.monotonic() - start, 1)
+        # its own: another invocation's sections in the same work dir keep
+        # theirs (found by an adversarial search: they took this one's)
+        data['machine'] = meta
         results = update_results(json_path, meta, section, data)
         write_report(results, work_dir)
         failed, runs = failed_runs(section, data)

@@ -158,9 +158,13 @@ class Launcher:
                 hint="give 'forkserver' or 'subprocess', or None for "
                 "default_launcher()'s choice.")
         self.log_dir, self.timeout = log_dir, timeout
-        self.count = 0
         self._context = None
         os.makedirs(log_dir, exist_ok=True)
+        # numbered on from an earlier invocation's logs, which its section
+        # of results.json names (found by an adversarial search: a second
+        # command overwrote 001_baseline.log)
+        numbers = (name.split('_', 1)[0] for name in os.listdir(log_dir))
+        self.count = max((int(n) for n in numbers if n.isdigit()), default=0)
 
     def run(self, spec: dict, name: str = 'run') -> dict:
         """Run ``spec`` in a new process and return its result.

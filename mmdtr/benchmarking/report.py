@@ -227,6 +227,26 @@ def _settings_line(
                      if settings.get(k) is not None)
 
 
+def _machine(meta: dict) -> str:
+    """The machine line of a ``meta`` (:func:`~.results_updates.
+    machine_info`)."""
+    source = f", mmdtr {meta['mmdtr']}" if meta.get('mmdtr') else ''
+    return (f"{meta.get('cpu')} ({meta.get('cpu_count')} CPUs), torch "
+            f"{meta.get('torch')}, mmengine {meta.get('mmengine')}{source}, "
+            f"device {meta.get('device')}"
+            f"{', ' + meta['gpu'] if meta.get('gpu') else ''}; load average "
+            f"at start {meta.get('load_average')}.")
+
+
+def _own_machine(section: dict, meta: dict) -> List[str]:
+    """A section's machine line where an earlier invocation into the same
+    work dir wrote it on another machine or software than the latest."""
+    own = section.get('machine')
+    if own is None or own == meta:
+        return []
+    return [f'Machine of this section: {_machine(own)}', '']
+
+
 def markdown(results: dict) -> str:
     """The tables of every section of ``results``.
 
@@ -238,11 +258,7 @@ def markdown(results: dict) -> str:
     """
     meta = results.get('meta', {})
     lines = [
-        '# Benchmark', '',
-        f"Machine: {meta.get('cpu')} ({meta.get('cpu_count')} CPUs), torch "
-        f"{meta.get('torch')}, mmengine {meta.get('mmengine')}, device "
-        f"{meta.get('device')}{', ' + meta['gpu'] if meta.get('gpu') else ''}"
-        f"; load average at start {meta.get('load_average')}.", '',
+        '# Benchmark', '', f'Machine: {_machine(meta)}', '',
         'Peaks: engine = the DTR engine\'s meter (runs without DTR: one '
         'extra step under an engine that never evicts); independent = '
         'torch.profiler memory events (CPU) or '
@@ -253,7 +269,7 @@ def markdown(results: dict) -> str:
     if 'sweep' in results:
         section = results['sweep']
         lines += [
-            '## Threshold sweep', '',
+            '## Threshold sweep', '', *_own_machine(section, meta),
             _settings_line(section['settings']) +
             f", policy={section['settings'].get('policy')}", ''
         ]
@@ -271,6 +287,7 @@ def markdown(results: dict) -> str:
         section = results['compare']
         lines += [
             '## Alternatives at the same memory', '',
+            *_own_machine(section, meta),
             _settings_line(section['settings']) +
             f", DTR threshold matched to {section['settings']['match']}", ''
         ]
@@ -280,7 +297,7 @@ def markdown(results: dict) -> str:
         data = section['result']
         cuda = str(section['settings'].get('device')).startswith('cuda')
         lines += [
-            '## Largest batch', '',
+            '## Largest batch', '', *_own_machine(section, meta),
             _settings_line(section['settings'], _PROBE_KEYS) +
             f", capacity={format_size(data['capacity'])}, "
             f"batches {data.get('start_batch', 1)} to {data['max_batch']}, "

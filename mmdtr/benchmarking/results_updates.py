@@ -2,7 +2,8 @@
 
 ``results.json`` holds ``meta`` (machine and software, refreshed by every
 invocation) and one section per benchmark that has run (``sweep``,
-``compare``, ``largest_batch``), each with the ``settings`` it ran with.
+``compare``, ``largest_batch``), each with the ``settings`` it ran with and
+its own ``machine`` (the ``meta`` of the invocation that wrote it).
 Running one benchmark replaces its section and keeps the others, so the
 table and the plots always show every section of the work dir.
 """
@@ -10,6 +11,7 @@ import json
 import os
 import os.path as osp
 import platform
+import subprocess
 from typing import List, Sequence, Tuple
 
 import torch
@@ -25,7 +27,10 @@ def machine_info(device: str) -> dict:
 
     Returns:
         dict: ``cpu``, ``cpu_count``, ``torch_threads``, ``torch``,
-        ``python``, ``platform``, ``device`` and, where known,
+        ``python``, ``platform``, ``device``, ``mmdtr`` (its version, and
+        the commit of its git checkout where it runs from one, ``+dirty``
+        with tracked files changed: a figure is tied to the engine that
+        gave it; found by an adversarial search) and, where known,
         ``mmengine``, ``load_average`` and ``gpu``.
     """
     cpu = platform.processor() or platform.machine()
@@ -45,7 +50,8 @@ def machine_info(device: str) -> dict:
         torch=torch.__version__,
         python=platform.python_version(),
         platform=platform.platform(),
-        device=device)
+        device=device,
+        mmdtr=_mmdtr_source())
     try:
         import mmengine
         info['mmengine'] = mmengine.__version__
@@ -56,6 +62,30 @@ def machine_info(device: str) -> dict:
     if device.startswith('cuda') and torch.cuda.is_available():
         info['gpu'] = torch.cuda.get_device_name(torch.device(device))
     return info
+
+
+def _mmdtr_source() -> str:
+    """mmdtr's version, with its checkout's commit where there is one."""
+    from mmdtr import __version__
+    root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+    try:
+        commit = subprocess.run(['git', 'rev-parse', '--short=7', 'HEAD'],
+                                cwd=root,
+                                capture_output=True,
+                                text=True,
+                                timeout=10)
+        changed = subprocess.run(
+            ['git', 'status', '--porcelain', '--untracked-files=no'],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return __version__  # no git
+    if commit.returncode != 0 or not osp.isdir(osp.join(root, '.git')):
+        return __version__  # installed, not a checkout
+    dirty = '+dirty' if changed.stdout.strip() else ''
+    return f'{__version__} ({commit.stdout.strip()}{dirty})'
 
 
 def update_results(path: str, meta: dict, section: str, data) -> dict:
