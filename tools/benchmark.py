@@ -15,6 +15,7 @@ Examples:
     python tools/benchmark.py CONFIG report          # redraw from JSON
 """
 import os.path as osp
+import signal
 import sys
 import time
 from typing import Optional
@@ -250,7 +251,16 @@ def _run(args, work_dir: str) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (``timeout``, a cancelled job) as an exit, so that the
+    run in progress is stopped on the way out as for Ctrl-C: killed at
+    once, it went on alone, with the fork server (found by an adversarial
+    search)."""
+    sys.exit(128 + signum)
+
+
 if __name__ == '__main__':
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         sys.exit(main())
     except MmdtrError as error:

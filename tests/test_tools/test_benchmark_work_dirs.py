@@ -3,7 +3,12 @@ search of the tool): an earlier invocation's logs and machine kept, the
 engine a figure came from recorded, and what cannot be written said in one
 line."""
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -12,7 +17,7 @@ from mmdtr.benchmarking import Launcher
 from mmdtr.benchmarking.report import markdown
 from mmdtr.benchmarking.results_updates import machine_info
 from mmdtr.errors import MmdtrError
-from .conftest import RESNET
+from .conftest import REPO, RESNET, TOOL
 
 
 def test_logs_are_numbered_on_from_an_earlier_invocation(tmp_path):
@@ -81,3 +86,51 @@ def test_sections_written_by_one_invocation_carry_its_machine(
     tool.main([RESNET, 'sweep', '--work-dir', str(work), '--no-prime'])
     results = json.loads((work / 'results.json').read_text())
     assert results['sweep']['machine'] == results['meta']
+
+
+def _alive_in_group(pgid: int) -> list:
+    """The processes of group ``pgid`` that are not zombies."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != 'Z':
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self'), reason='reads /proc')
+def test_sigterm_stops_the_run_in_progress(tmp_path):
+    # killed at once, the tool left its run and the fork server running
+    # (found by an adversarial search)
+    work = tmp_path / 'bench'
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')])
+    tool = subprocess.Popen([
+        sys.executable, TOOL, RESNET, 'sweep', '--batch-size', '2',
+        '--image-size', '32', '--steps', '200', '--cfg-options',
+        'model.depth=18', '--work-dir',
+        str(work), '--no-prime', '--no-progress'
+    ],
+                            env=env,
+                            start_new_session=True,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(work.glob('logs/*.log')):  # a run has started
+            assert tool.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        time.sleep(2)
+        tool.send_signal(signal.SIGTERM)  # the tool alone, not its group
+        assert tool.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while _alive_in_group(tool.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _alive_in_group(tool.pid) == []
+    finally:
+        for pid in _alive_in_group(tool.pid):
+            os.kill(pid, signal.SIGKILL)
