@@ -141,9 +141,10 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
     """The runs of a section that failed, and how many it has.
 
     Sweep and compare runs fail when their status is neither ``'ok'`` nor
-    ``'skipped'`` (a fraction below one byte, a run that had nothing to
-    match: the table says so; it was reported as a failure, with a log it
-    does not have; found by an adversarial search); the
+    ``'skipped'``; a skipped run (a fraction below one byte, nothing to
+    match) is neither failed nor counted: the table says so (it was
+    reported as a failure, with a log it does not have; found by an
+    adversarial search). The
     largest-batch search of a technique fails when a probe fails otherwise
     than by not fitting.
 
@@ -154,7 +155,8 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
 
     Returns:
         tuple: ``(failed, total)``: a ``'name (status)'`` per failed run,
-        and the number of runs (searches for ``largest_batch``).
+        and the number of runs not skipped (searches for
+        ``largest_batch``).
     """
     if section == 'largest_batch':
         result = data['result']
@@ -168,7 +170,7 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
         f"{run['name']} ({run['lost_repeats']} repeat(s) failed)"
         for run in data['runs']
         if run['status'] not in ('ok', 'skipped') or run.get('lost_repeats')
-    ], len(data['runs'])
+    ], sum(run['status'] != 'skipped' for run in data['runs'])
 
 
 def failures_message(failures: List[str], total: int, not_run: Sequence[str],

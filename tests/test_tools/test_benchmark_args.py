@@ -165,7 +165,7 @@ def test_failed_runs_exit_non_zero(tool, tmp_path, canned):
     ]
     with pytest.raises(
             MmdtrError,
-            match='4 of 4 runs failed: baseline '
+            match='3 of 3 runs failed: baseline '
             r'\(error\).*so compare, largest-batch did not run'):
         canned(status='error', peak_engine=None)
         tool.main(argv + QUIET)
