@@ -96,7 +96,14 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
         MmdtrError: On a value CPU training cannot use.
     """
     kwargs = dict(kwargs)
-    kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
+    port = kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
+    if port is not None and (isinstance(port, bool)
+                             or not isinstance(port, int)
+                             or not 1 <= port <= 65535):
+        raise MmdtrError(
+            f'env_cfg.dist_cfg.port={port!r} is not a port; accepted: an int '
+            'from 1 to 65535.',
+            hint='e.g. env_cfg = dict(dist_cfg=dict(port=29500)).')
     if backend == 'nccl':
         backend = 'gloo'
     if backend not in _available_backends():
@@ -165,16 +172,19 @@ def _env_int(name: str, launcher: str) -> int:
             hint=_started_by(launcher)) from None
 
 
-def _check_port(launcher: str) -> None:
-    """``MASTER_PORT``, where set, is a TCP port: out of range it raised
-    a raw ``ValueError`` from the store after the work dir was made (found
-    by an adversarial search)."""
+def _check_port(launcher: str, world_size: int) -> None:
+    """``MASTER_PORT``, where set and read (``env://``), is a TCP port: out
+    of range it raised a raw ``ValueError`` from the store after the work
+    dir was made (found by an adversarial search). 0, any free port, serves
+    a world of one process only: the other ranks could not find it."""
     if 'MASTER_PORT' in os.environ:
         port = _env_int('MASTER_PORT', launcher)
-        if not 1 <= port <= 65535:
+        lowest = 0 if world_size == 1 else 1
+        if not lowest <= port <= 65535:
             raise MmdtrError(
                 f'launcher {launcher!r}: the environment variable '
-                f'MASTER_PORT={port} is not a port; accepted: 1 to 65535.',
+                f'MASTER_PORT={port} is not a port; accepted: {lowest} to '
+                '65535.',
                 hint=_started_by(launcher))
 
 
@@ -235,14 +245,17 @@ def check_launcher_env(launcher: str, dist_cfg: Optional[dict] = None) -> None:
             f'{rank} and {size_name}={size} are not a rank of the world: '
             f'accepted: 0 <= {rank_name} < {size_name}.',
             hint=_started_by(launcher))
-    _check_port(launcher)
+    dist_cfg = dist_cfg or {}
+    env_init = dist_cfg.get('init_method', 'env://') == 'env://'
+    if env_init and not (launcher == 'slurm'
+                         and dist_cfg.get('port') is not None):
+        _check_port(launcher, size)  # read by env:// (slurm: unless port)
     if launcher == 'pytorch':
         _check_torchrun_init_method(dist_cfg)
     if launcher == 'slurm':
         if 'MASTER_ADDR' not in os.environ:
             _env('SLURM_NODELIST', launcher)
-    elif launcher == 'mpi' or (dist_cfg or {}).get('init_method',
-                                                   'env://') == 'env://':
+    elif launcher == 'mpi' or env_init:
         _env('MASTER_ADDR', launcher)
         if launcher == 'pytorch':
             _env_int('MASTER_PORT', launcher)
@@ -273,8 +286,8 @@ def init_cpu_dist(launcher: str,
         >>> # in a config, as for MMEngine; on CPU nccl becomes gloo
         >>> env_cfg = dict(dist_cfg=dict(backend='gloo', timeout=1800))
     """
-    backend, kwargs = check_cpu_dist_cfg(backend, init_backend, timeout,
-                                         **kwargs)
+    backend, kwargs = check_cpu_dist_cfg(
+        backend, init_backend, timeout, port=port, **kwargs)
     if launcher not in _LAUNCHER_ENV:
         raise MmdtrError(
             f'launcher={launcher!r} is not supported; accepted: '
@@ -282,7 +295,7 @@ def init_cpu_dist(launcher: str,
             hint='use tools/dist_train.sh, which passes --launcher pytorch.')
     # torchrun sets MASTER_ADDR and MASTER_PORT; env:// raised a raw
     # ValueError without them
-    check_launcher_env(launcher, kwargs)
+    check_launcher_env(launcher, dict(kwargs, port=port))
     rank_var, size_var, local_var = _LAUNCHER_ENV[launcher]
     rank, world_size = int(os.environ[rank_var]), int(os.environ[size_var])
     if launcher == 'slurm':

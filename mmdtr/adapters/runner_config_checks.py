@@ -203,18 +203,23 @@ def check_mp_cfg(cfg, custom_hooks: list) -> None:
     env_cfg = cfg.get('env_cfg', None)
     if not isinstance(env_cfg, dict):
         return  # MMEngine's and the launcher check's to name
-    mp_cfg = env_cfg.get('mp_cfg', None)
     example = "e.g. env_cfg = dict(mp_cfg=dict(mp_start_method='fork'))"
-    refuse_unless_dict('env_cfg.mp_cfg', mp_cfg, 'a dict of '
-                       'set_multi_processing arguments', example + '.')
-    if not mp_cfg:
+    if 'mp_cfg' not in env_cfg:
         return
+    mp_cfg = env_cfg['mp_cfg']
+    if not isinstance(mp_cfg, dict):  # None too: MMEngine's ** of it
+        raise MmdtrError(
+            f'env_cfg.mp_cfg={mp_cfg!r} is not accepted: MMEngine takes a '
+            'dict of set_multi_processing arguments.',
+            hint=f'leave mp_cfg out for its defaults, or give a dict: '
+            f'{example}.')
     check_keys(mp_cfg, ('mp_start_method', 'opencv_num_threads'),
                'env_cfg.mp_cfg', 'an argument of set_multi_processing', mp_cfg,
                example)
     methods = multiprocessing.get_all_start_methods()
-    method = mp_cfg.get('mp_start_method', 'fork')
-    if platform.system() != 'Windows' and method not in methods:
+    method = mp_cfg.get('mp_start_method', 'fork')  # None: the default
+    if platform.system() != 'Windows' and method is not None \
+            and method not in methods:
         raise MmdtrError(
             f'env_cfg.mp_cfg.mp_start_method={method!r} is not a start '
             f'method of this platform; accepted: {", ".join(methods)}.',

@@ -48,7 +48,9 @@ def test_init_cpu_dist_refuses_bad_dist_cfg(single_rank_env, dist_cfg, match):
         # a raw ValueError from the store (found by an adversarial search)
         ('MASTER_PORT', '99999', 'MASTER_PORT=99999 is not a port'),
         ('MASTER_PORT', '-5', 'MASTER_PORT=-5 is not a port'),
-        ('MASTER_PORT', '0', 'MASTER_PORT=0 is not a port'),
+        ('MASTER_PORT', '65536',
+         'MASTER_PORT=65536 is not a port; accepted: 0 '
+         'to 65535'),
     ])
 def test_init_cpu_dist_refuses_a_bad_environment(single_rank_env, monkeypatch,
                                                  name, value, match):
@@ -131,6 +133,36 @@ def test_launcher_variables_with_an_init_method(single_rank_env, monkeypatch):
     check_launcher_env('pytorch', dict(init_method='tcp://127.0.0.1:1'))
     with pytest.raises(MmdtrError, match='MASTER_ADDR'):
         check_launcher_env('pytorch')
+
+
+def test_master_port_is_checked_where_it_is_read(single_rank_env, monkeypatch):
+    # the first form of the check refused a leftover MASTER_PORT that
+    # another init_method or slurm's port never reads, and 0, which a world
+    # of one process takes (a review)
+    monkeypatch.setenv('MASTER_PORT', '99999')
+    check_launcher_env('pytorch', dict(init_method='file:///tmp/store'))
+    check_launcher_env('pytorch', dict(init_method='tcp://127.0.0.1:29500'))
+    for name, value in (('SLURM_PROCID', '0'), ('SLURM_NTASKS', '1')):
+        monkeypatch.setenv(name, value)
+    check_launcher_env('slurm', dict(port=29500))
+    with pytest.raises(MmdtrError, match='MASTER_PORT=99999 is not a port'):
+        check_launcher_env('slurm')
+    monkeypatch.setenv('MASTER_PORT', '0')
+    check_launcher_env('pytorch')  # a world of one
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    with pytest.raises(
+            MmdtrError,
+            match='MASTER_PORT=0 is not a port; '
+            'accepted: 1 to 65535'):
+        check_launcher_env('pytorch')
+
+
+@pytest.mark.parametrize('port', [0, 70000, '29500', True])
+def test_slurm_port_is_checked(single_rank_env, port):
+    with pytest.raises(
+            MmdtrError, match=f'env_cfg.dist_cfg.port={port!r} is not a port'):
+        init_cpu_dist('pytorch', port=port)
+    assert not torch_dist.is_initialized()
 
 
 @pytest.mark.parametrize('init_method, accepted', [

@@ -236,14 +236,19 @@ def test_device_switches_are_not_checked_on_a_cpu_parameter(make_cfg):
             make_cfg(optimizer=dict(type=CudaFused, lr=-1, fused=True)))
 
 
-@pytest.mark.parametrize('mp_cfg, match', [
-    (dict(mp_start_method='bogus'),
-     "mp_start_method='bogus' is not a start method of this platform; "
-     'accepted: '),
-    (dict(mp_start_methd='fork'), "env_cfg.mp_cfg.mp_start_methd='fork' is "
-     'not accepted.*rename mp_start_methd to mp_start_method'),
-    ('fork', "env_cfg.mp_cfg='fork' is not accepted"),
-])
+@pytest.mark.parametrize(
+    'mp_cfg, match',
+    [
+        (dict(mp_start_method='bogus'),
+         "mp_start_method='bogus' is not a start method of this platform; "
+         'accepted: '),
+        (dict(mp_start_methd='fork'),
+         "env_cfg.mp_cfg.mp_start_methd='fork' is "
+         'not accepted.*rename mp_start_methd to mp_start_method'),
+        ('fork', "env_cfg.mp_cfg='fork' is not accepted"),
+        # MMEngine's setup_env passes it with ** (a review)
+        (None, 'env_cfg.mp_cfg=None is not accepted'),
+    ])
 def test_mp_cfg_is_checked_before_the_runner(mp_cfg, match, make_cfg):
     # MMEngine's set_multi_processing raised it as the runner set up, after
     # the work dir was made, once per rank (found by an adversarial search)
@@ -251,11 +256,15 @@ def test_mp_cfg_is_checked_before_the_runner(mp_cfg, match, make_cfg):
         translate_memory_keys(make_cfg(env_cfg=dict(mp_cfg=mp_cfg)))
 
 
-@pytest.mark.parametrize('mp_cfg', [
-    None,
-    dict(),
-    dict(mp_start_method='spawn', opencv_num_threads=0),
-    dict(mp_start_method='fork'),
-])
+@pytest.mark.parametrize(
+    'mp_cfg',
+    [
+        None,
+        dict(),
+        dict(mp_start_method='spawn', opencv_num_threads=0),
+        dict(mp_start_method='fork'),
+        dict(mp_start_method=None),  # the platform's default (a review)
+    ])
 def test_mp_cfg_of_set_multi_processing_passes(mp_cfg, make_cfg):
-    translate_memory_keys(make_cfg(env_cfg=dict(mp_cfg=mp_cfg)))
+    env_cfg = dict(mp_cfg=mp_cfg) if mp_cfg is not None else dict()
+    translate_memory_keys(make_cfg(env_cfg=env_cfg))
