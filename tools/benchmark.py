@@ -33,7 +33,7 @@ from mmdtr.benchmarking.report import write_report
 from mmdtr.benchmarking.results import read_results
 from mmdtr.benchmarking.results_updates import (drop_sections, failed_runs,
                                                 failures_message, machine_info,
-                                                update_results)
+                                                none_ran, update_results)
 from mmdtr.benchmarking.workloads import load_config
 from mmdtr.core.sizes import format_size, parse_size
 from mmdtr.errors import MmdtrError
@@ -177,15 +177,24 @@ def main(argv=None) -> int:
     except OSError as error:  # os.access passes for root, and /sys refuses
         # writes anyway; a file in the way of logs/ (found by an
         # adversarial search: raw tracebacks)
-        if error.filename is None or not osp.abspath(str(
-                error.filename)).startswith(osp.abspath(work_dir)):
-            raise
+        if not _inside(error.filename, work_dir) or isinstance(
+                error, FileNotFoundError):
+            raise  # not the work dir's, or a file read there (a config's
+            # missing base; a review)
         raise MmdtrError(
             f'cannot write {error.filename!r} in the work dir: '
             f'{error.strerror}.',
             hint='give a --work-dir you can write to, with nothing in the '
             'way of its logs/, results.json, benchmark.md and plots.'
         ) from error
+
+
+def _inside(path, work_dir: str) -> bool:
+    """Whether ``path`` is ``work_dir`` or under it."""
+    if path is None:
+        return False
+    path, work_dir = osp.abspath(str(path)), osp.abspath(work_dir)
+    return osp.commonpath([path, work_dir]) == work_dir
 
 
 def _run(args, work_dir: str) -> int:
@@ -233,7 +242,7 @@ def _run(args, work_dir: str) -> int:
         write_report(results, work_dir)
         failed, runs = failed_runs(section, data)
         failures, total = failures + failed, total + runs
-        if failed and len(failed) == runs:
+        if none_ran(section, data):
             not_run = commands[i + 1:]
             # an earlier invocation's sections of those would stand under
             # this one's machine line (found by an audit)

@@ -64,28 +64,30 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def _git(root: str, *argv) -> str:
+    """``git argv`` in ``root``: its output, or ``None`` if it failed."""
+    try:
+        done = subprocess.run(['git', *argv],
+                              cwd=root,
+                              capture_output=True,
+                              text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):  # no git, or too slow
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def _mmdtr_source() -> str:
-    """mmdtr's version, with its checkout's commit where there is one."""
+    """mmdtr's version, with its checkout's commit where there is one (a
+    worktree too; not another checkout it is installed in)."""
     from mmdtr import __version__
     root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-    try:
-        commit = subprocess.run(['git', 'rev-parse', '--short=7', 'HEAD'],
-                                cwd=root,
-                                capture_output=True,
-                                text=True,
-                                timeout=10)
-        changed = subprocess.run(
-            ['git', 'status', '--porcelain', '--untracked-files=no'],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return __version__  # no git
-    if commit.returncode != 0 or not osp.isdir(osp.join(root, '.git')):
-        return __version__  # installed, not a checkout
-    dirty = '+dirty' if changed.stdout.strip() else ''
-    return f'{__version__} ({commit.stdout.strip()}{dirty})'
+    top = _git(root, 'rev-parse', '--show-toplevel')
+    commit = _git(root, 'rev-parse', '--short=7', 'HEAD')
+    if not top or not commit or osp.realpath(top) != osp.realpath(root):
+        return __version__
+    changed = _git(root, 'status', '--porcelain', '--untracked-files=no')
+    return f"{__version__} ({commit}{'+dirty' if changed else ''})"
 
 
 def update_results(path: str, meta: dict, section: str, data) -> dict:
@@ -131,9 +133,13 @@ def drop_sections(path: str, sections: Sequence[str]) -> dict:
 
 
 def _write_results(path: str, results: dict) -> dict:
+    """Write ``results`` whole or not at all: a signal while dumping left
+    a cut file, which the next command refused (found by a review)."""
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
-    with open(path, 'w') as f:
+    part = f'{path}.part'
+    with open(part, 'w') as f:
         json.dump(results, f, indent=2)
+    os.replace(part, path)
     return results
 
 
@@ -171,6 +177,22 @@ def failed_runs(section: str, data: dict) -> Tuple[List[str], int]:
         for run in data['runs']
         if run['status'] not in ('ok', 'skipped') or run.get('lost_repeats')
     ], sum(run['status'] != 'skipped' for run in data['runs'])
+
+
+def none_ran(section: str, data: dict) -> bool:
+    """Whether no run of a section went through (every one not skipped
+    failed; runs that lost a repeat went through): the commands after it
+    are then not run. Counting those as failed stopped them after a sweep
+    whose every run lost a repeat (found by a review).
+
+    Args:
+        section (str): ``'sweep'``, ``'compare'`` or ``'largest_batch'``.
+        data (dict): The section, as for :func:`failed_runs`.
+    """
+    if section == 'largest_batch':
+        return len(failed_runs(section, data)[0]) == 2
+    ran = [r for r in data['runs'] if r['status'] != 'skipped']
+    return bool(ran) and all(r['status'] != 'ok' for r in ran)
 
 
 def failures_message(failures: List[str], total: int, not_run: Sequence[str],

@@ -134,3 +134,52 @@ def test_sigterm_stops_the_run_in_progress(tmp_path):
     finally:
         for pid in _alive_in_group(tool.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_config_read_in_the_work_dir_is_not_a_write_error(tool, tmp_path):
+    # a missing _base_ next to a config kept in the work dir was reported
+    # as "cannot write ... in the work dir" (a review); and a work dir whose
+    # path is a prefix of the config's directory, /tmp/w of /tmp/wd
+    (tmp_path / 'wd').mkdir()
+    config = tmp_path / 'wd' / 'cfg.py'
+    config.write_text("_base_ = ['./missing_base.py']\n")
+    for work in (tmp_path / 'wd', tmp_path / 'w'):
+        with pytest.raises(Exception) as info:
+            tool.main([str(config), 'sweep', '--work-dir', str(work)])
+        assert 'cannot write' not in str(info.value)
+
+
+def test_none_ran_counts_runs_that_lost_a_repeat_as_run():
+    # a sweep whose every run lost a repeat stopped the commands after it,
+    # "2 of 2 runs failed" (a review)
+    from mmdtr.benchmarking.results_updates import failed_runs, none_ran
+    runs = [
+        dict(name=n, status='ok', lost_repeats=1) for n in ('baseline', 'x')
+    ]
+    assert len(failed_runs('sweep', dict(runs=runs))[0]) == 2
+    assert not none_ran('sweep', dict(runs=runs))
+    runs = [
+        dict(name='baseline', status='error'),
+        dict(name='x', status='skipped')
+    ]
+    assert none_ran('sweep', dict(runs=runs))
+    assert not none_ran('sweep', dict(runs=runs[1:]))  # nothing ran
+
+
+def test_results_are_written_whole(tmp_path, monkeypatch):
+    # written in place, a signal while dumping left a cut file, which the
+    # next command refused (a review): written aside, then moved over
+    from mmdtr.benchmarking import results_updates
+    path = tmp_path / 'results.json'
+    results_updates.update_results(
+        str(path), {}, 'sweep', dict(settings={}, runs=[]))
+
+    def cut(obj, f, **kwargs):
+        f.write('{"meta": {')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(results_updates.json, 'dump', cut)
+    with pytest.raises(KeyboardInterrupt):
+        results_updates.update_results(
+            str(path), {}, 'compare', dict(settings={}, runs=[]))
+    assert json.loads(path.read_text())['sweep'] == dict(settings={}, runs=[])
