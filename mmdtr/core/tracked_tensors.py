@@ -110,8 +110,9 @@ def _moved(versions, cdata):
     return None
 
 
-def _stays(t, cdata) -> bool:
-    """Whether ``t`` is gone or not a view of a base moved off ``cdata``."""
+def stays_on(t, cdata) -> bool:
+    """Whether ``t`` is gone or not a view of a base off ``cdata`` (whose
+    writes move ``t``'s counter)."""
     return t is None or t._base is None or \
         t._base.untyped_storage()._cdata == cdata
 
@@ -166,7 +167,7 @@ class TrackedTensors:
         if self.exit_versions:
             return _moved(self.exit_versions, self.cdata)
         return _moved([(ref, version) for ref, version in self.synced or ()
-                       if _stays(ref(), self.cdata)], self.cdata)
+                       if stays_on(ref(), self.cdata)], self.cdata)
 
 
 class UnrecordedTensors(TrackedTensors):

@@ -14,6 +14,7 @@ from .op_semantics import batch_norm_in_training, get_arg
 from .recipe_refs import HeldRef, SelfRef
 from .recipes import AllocNode
 from .records import _PLAIN
+from .tracked_tensors import stays_on
 
 #: The mutation log of a storage made before the latest backward stops
 #: growing here once nothing can ask for its older versions: the record is
@@ -346,7 +347,7 @@ class Writes:
             return out
         storage = t.untyped_storage()
         cdata = storage._cdata
-        if t._base is not None and t._base.untyped_storage()._cdata != cdata:
+        if not stays_on(t, cdata):
             return out  # a view of a base elsewhere: its writes move t's
             # counter, and would read as writes here (found by a review)
         rec = self.records.get(cdata)
