@@ -15,6 +15,7 @@ from typing import Optional
 
 from mmengine.device import (get_device, is_cuda_available, is_mlu_available,
                              is_npu_available)
+from mmengine.utils.dl_utils import set_multi_processing
 
 from mmdtr.errors import MmdtrError
 from mmdtr.registry import MODELS, OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
@@ -25,7 +26,7 @@ from .inplace_optim_settings import (BUILDER_KEYS, check_accumulative_counts,
 from .optimizer_values import check_optimizer_values, refuse_missing_optimizer
 from .registered_types import (check_scoped_type, mmdtr_only, of_another_scope,
                                refuse_unregistered)
-from .setting_values import check_keys
+from .setting_values import argument_names, check_keys
 
 
 def _is_wrapper(wrapper_type, cls, subclasses: bool = False) -> bool:
@@ -213,9 +214,13 @@ def check_mp_cfg(cfg, custom_hooks: list) -> None:
             'dict of set_multi_processing arguments.',
             hint=f'leave mp_cfg out for its defaults, or give a dict: '
             f'{example}.')
-    check_keys(mp_cfg, ('mp_start_method', 'opencv_num_threads'),
-               'env_cfg.mp_cfg', 'an argument of set_multi_processing', mp_cfg,
-               example)
+    # the runner passes distributed itself
+    accepted = [
+        n for n in argument_names(set_multi_processing, 0)
+        if n != 'distributed'
+    ]
+    check_keys(mp_cfg, accepted, 'env_cfg.mp_cfg',
+               'an argument of set_multi_processing', mp_cfg, example)
     methods = multiprocessing.get_all_start_methods()
     method = mp_cfg.get('mp_start_method', 'fork')  # None: the default
     if platform.system() != 'Windows' and method is not None \
