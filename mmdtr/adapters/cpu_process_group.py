@@ -36,6 +36,9 @@ _LAUNCHER_ENV = {
 }
 _CPU_BACKENDS = ('gloo', 'mpi')
 
+#: The highest TCP port (``MASTER_PORT``, ``dist_cfg.port``).
+MAX_PORT = 65535
+
 #: The longest collective timeout: what a ``datetime.timedelta`` holds.
 MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
 
@@ -99,10 +102,10 @@ def check_cpu_dist_cfg(backend: str = 'gloo',
     port = kwargs.pop('port', None)  # init_cpu_dist's own, for slurm
     if port is not None and (isinstance(port, bool)
                              or not isinstance(port, int)
-                             or not 1 <= port <= 65535):
+                             or not 1 <= port <= MAX_PORT):
         raise MmdtrError(
             f'env_cfg.dist_cfg.port={port!r} is not a port; accepted: an int '
-            'from 1 to 65535.',
+            f'from 1 to {MAX_PORT}.',
             hint='e.g. env_cfg = dict(dist_cfg=dict(port=29500)).')
     if backend == 'nccl':
         backend = 'gloo'
@@ -180,11 +183,11 @@ def _check_port(launcher: str, world_size: int) -> None:
     if 'MASTER_PORT' in os.environ:
         port = _env_int('MASTER_PORT', launcher)
         lowest = 0 if world_size == 1 else 1
-        if not lowest <= port <= 65535:
+        if not lowest <= port <= MAX_PORT:
             raise MmdtrError(
                 f'launcher {launcher!r}: the environment variable '
                 f'MASTER_PORT={port} is not a port; accepted: {lowest} to '
-                '65535.',
+                f'{MAX_PORT}.',
                 hint=_started_by(launcher))
 
 
